@@ -1,0 +1,17 @@
+"""Errors a user can cause. Each names the value, the place and the fix."""
+
+
+class HybridparError(ValueError):
+    """Base class: bad input to hybridpar (a config, a mesh, a model, a plan)."""
+
+
+class MeshError(HybridparError):
+    """Parallel degrees that do not fit the world size or each other."""
+
+
+class GeometryError(HybridparError):
+    """A spatial split that cannot be computed exactly (a slab thinner than its halo, ...)."""
+
+
+class UnsupportedModuleError(HybridparError):
+    """A module or function that hybridpar cannot make exact under spatial parallelism."""

@@ -1,0 +1,270 @@
+"""``parallelize``: convert a model in place for spatial parallelism, and the context that runs it.
+
+On each forward the root module learns the global input shape from every rank's slab shape (one
+small all-gather), and the first time it sees that shape it traces the model on the meta device:
+every converted layer records its global input and output shapes and plans its halos, and every
+other torch function on a partitioned tensor is checked (``checks.Checker``). A mistake therefore
+raises the same ``ValueError`` on every rank, before any halo is exchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_map
+
+from hybridpar.errors import GeometryError, MeshError, UnsupportedModuleError
+from hybridpar.spatial import checks
+from hybridpar.spatial.checks import PARTITIONED, REPLICATED
+from hybridpar.spatial.collectives import gather_slabs
+from hybridpar.spatial.geometry import Grid
+from hybridpar.spatial.halo import SpatialComm
+from hybridpar.spatial.layers import LAYERS, SpatialLayer
+
+_MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """What one call of a converted layer sees, for one global input shape."""
+
+    status: str | None
+    global_in: tuple[int, ...]
+    local_in: tuple[int, ...]
+    geo: object
+
+
+@dataclass
+class Trace:
+    records: dict[tuple[str, int], LayerRecord] = field(default_factory=dict)
+
+
+class SpatialContext:
+    """Shared by the converted layers of one model: the group, the grid and the traced geometry."""
+
+    def __init__(self, root: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup):
+        self.root = root
+        self.comm = comm
+        self.grid = comm.grid
+        self.coords = comm.coords
+        self.norm_group = norm_group
+        self.paths: dict[int, str] = {}
+        self.traces: dict[tuple, Trace] = {}
+        self.current: Trace | None = None
+        self.state: checks.TraceState | None = None
+        self.calls: dict[str, int] = {}
+
+    def where(self, module: nn.Module) -> str:
+        path = self.paths[id(module)] or "<root>"
+        return f"layer '{path}' ({type(module).__bases__[-1].__name__})"
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        slab = self.grid.slab(tuple(shape[2:]), self.comm.rank)
+        return tuple(shape[:2]) + tuple(b - a for a, b in slab)
+
+    # -- forward of the root: global shape, trace once per shape --------------------------------
+
+    def before_forward(self, module, args, kwargs):
+        if self.state is not None:
+            return
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise UnsupportedModuleError(
+                "the spatially parallel model takes its partitioned input as the first positional argument"
+            )
+        x = args[0]
+        shape = global_shape(x, self.comm, "the model input")
+        key = (shape, x.dtype, module.training)
+        if key not in self.traces:
+            self.traces[key] = self._trace(module, shape, x.dtype, args, kwargs)
+        self.current = self.traces[key]
+        self.calls = {}
+
+    def after_forward(self, module, args, kwargs, output):
+        if self.state is None:
+            self.current = None
+
+    def _trace(self, module, shape, dtype, args, kwargs) -> Trace:
+        self.current = Trace()
+        self.state = checks.TraceState(self.grid.parts, module.training)
+        self.calls = {}
+        to_meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        tensors = {n: to_meta(t) for n, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        self.grid.check_shape(shape[2:], "the model input")
+        self.state.mark(x, PARTITIONED)
+        hooks = self._path_hooks(module)
+        try:
+            with checks.Checker(self.state):
+                torch.func.functional_call(module, tensors, (x,) + tree_map(to_meta, tuple(args[1:])),
+                                           tree_map(to_meta, kwargs), strict=False)
+            return self.current
+        finally:
+            for h in hooks:
+                h.remove()
+            self.state = None
+
+    def _path_hooks(self, root: nn.Module):
+        hooks = []
+        for name, m in root.named_modules():
+            hooks.append(m.register_forward_pre_hook(lambda m, a, name=name: self.state.paths.append(name)))
+            hooks.append(m.register_forward_hook(lambda m, a, o: self.state.paths.pop()))
+        return hooks
+
+    # -- converted layers ---------------------------------------------------------------------
+
+    def call_layer(self, module, forward, args, kwargs, replicated=None):
+        path = self.paths[id(module)]
+        index = self.calls.get(path, 0)
+        self.calls[path] = index + 1
+        if self.current is None:
+            raise UnsupportedModuleError(
+                f"{self.where(module)} was called outside the forward of the model passed to "
+                "hybridpar.spatial.parallelize; call the parallelized model itself"
+            )
+        if self.state is not None:
+            return self._trace_layer(module, forward, args, kwargs, (path, index))
+        record = self.current.records[(path, index)]
+        x = args[0]
+        if record.status == PARTITIONED:
+            if tuple(x.shape) != record.local_in:
+                raise GeometryError(
+                    f"{self.where(module)}: got a slab of shape {tuple(x.shape)} but the traced model gives this "
+                    f"rank a slab of {record.local_in} (global {record.global_in}); the forward must not "
+                    "depend on anything but the input shape"
+                )
+            return module._hp_run(x, record.geo, self)
+        if record.status == REPLICATED and replicated is not None:
+            return replicated(x, self)
+        return forward(*args, **kwargs)
+
+    def _trace_layer(self, module, forward, args, kwargs, key):
+        x = args[0]
+        status = self.state.status(x)
+        self.state.suspended += 1
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            self.state.suspended -= 1
+        geo = None
+        if status == PARTITIONED:
+            where = self.where(module)
+            self.grid.check_shape(tuple(x.shape[2:]), where)
+            if module._hp_output == PARTITIONED:
+                self.grid.check_shape(tuple(out.shape[2:]), f"{where} output")
+            geo = module._hp_plan(tuple(x.shape), tuple(out.shape), self)
+        local = self.local_shape(tuple(x.shape)) if status == PARTITIONED else tuple(x.shape)
+        self.current.records[key] = LayerRecord(status, tuple(x.shape), local, geo)
+        if status == PARTITIONED:
+            self.state.mark(out, module._hp_output)
+        elif status == REPLICATED:
+            self.state.mark(out, REPLICATED)
+        return out
+
+
+def global_shape(x: torch.Tensor, comm: SpatialComm, what: str) -> tuple[int, ...]:
+    """The global shape of a tensor whose slabs the spatial group holds; checked on every rank alike."""
+    grid = comm.grid
+    mine = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+    mine[0] = x.dim()
+    mine[1 : 1 + x.dim()] = torch.tensor(x.shape)
+    shapes = [torch.zeros_like(mine) for _ in range(grid.size)]
+    dist.all_gather(shapes, mine, group=comm.group)
+    shapes = [tuple(s[1 : 1 + int(s[0])].tolist()) for s in shapes]
+    if len({len(s) for s in shapes}) != 1 or len(shapes[0]) != 2 + grid.ndim:
+        raise GeometryError(
+            f"{what}: slab shapes {shapes} across the spatial group; each rank must pass an "
+            f"(N, C, *spatial) slab with {grid.ndim} spatial dims"
+        )
+    total = list(shapes[0][:2])
+    for axis in range(grid.ndim):
+        total.append(sum(shapes[grid.neighbour(0, axis, c)][2 + axis] for c in range(grid.parts[axis])))
+    expected = [tuple(total[:2]) + tuple(b - a for a, b in grid.slab(tuple(total[2:]), r)) for r in range(grid.size)]
+    if shapes != expected:
+        raise GeometryError(
+            f"{what}: slab shapes {shapes} do not tile a global {tuple(total)} split by grid {grid.parts}; "
+            f"expected {expected}; make the slabs with hybridpar.spatial.shard"
+        )
+    return tuple(total)
+
+
+def _convert(module: nn.Module, ctx: SpatialContext) -> None:
+    for path, m in module.named_modules():
+        ctx.paths[id(m)] = path
+        if isinstance(m, SpatialLayer):
+            raise UnsupportedModuleError(f"module '{path or '<root>'}' is already spatially parallel")
+        base = type(m)
+        kind = LAYERS.get(base)
+        if kind is None:
+            continue
+        m.__class__ = _subclass(kind, base)
+        m._hp_ctx = ctx
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(kind: type, base: type) -> type:
+    key = (kind, base)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Spatial{base.__name__}", (kind, base), {})
+    return _CLASSES[key]
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    grid: tuple[int, ...],
+    batch_norm_mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """Convert ``module`` in place so that each rank of the 1-D ``mesh`` computes its slab exactly.
+
+    ``grid`` gives parts per spatial dim (row-major over the mesh). Batch-norm statistics are
+    summed over ``batch_norm_mesh`` (default: ``mesh``); pass a mesh spanning data parallelism
+    too to normalise over the global batch. Parameter names and shapes are unchanged.
+    """
+    grid_ = Grid(tuple(grid))
+    if mesh.ndim != 1:
+        raise MeshError(f"spatial mesh has {mesh.ndim} axes {mesh.mesh_dim_names}; pass its 1-D spatial sub-mesh")
+    if mesh.size() != grid_.size:
+        raise MeshError(f"grid {grid_.parts} has {grid_.size} parts but the spatial mesh has {mesh.size()} ranks")
+    comm = SpatialComm.from_group(mesh.get_group(), grid_)
+    norm = batch_norm_mesh or mesh
+    norm_group = norm.get_group() if norm.ndim == 1 else _flat_group(norm)
+    ctx = SpatialContext(module, comm, norm_group)
+    _convert(module, ctx)
+    module.register_forward_pre_hook(ctx.before_forward, with_kwargs=True)
+    module.register_forward_hook(ctx.after_forward, with_kwargs=True)
+    return module
+
+
+def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh._flatten().get_group()
+
+
+def _comm(mesh: DeviceMesh, grid) -> SpatialComm:
+    grid_ = Grid(tuple(grid))
+    if mesh.size() != grid_.size:
+        raise MeshError(f"grid {grid_.parts} has {grid_.size} parts but the spatial mesh has {mesh.size()} ranks")
+    return SpatialComm.from_group(mesh.get_group(), grid_)
+
+
+def shard(x: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...]) -> torch.Tensor:
+    """This rank's slab of a global ``(N, C, *spatial)`` tensor (a copy)."""
+    comm = _comm(mesh, grid)
+    comm.grid.check_shape(tuple(x.shape[2:]), "shard")
+    for axis, (lo, hi) in enumerate(comm.grid.slab(tuple(x.shape[2:]), comm.rank)):
+        x = x.narrow(2 + axis, lo, hi - lo)
+    return x.clone()
+
+
+def unshard(x_local: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...]) -> torch.Tensor:
+    """The global tensor on every rank, from each rank's slab (differentiable)."""
+    comm = _comm(mesh, grid)
+    shape = global_shape(x_local, comm, "unshard")
+    return gather_slabs(x_local, comm, shape[2:])
+

@@ -1,0 +1,97 @@
+"""Worker-side checks run on every rank by the harness: a spatially parallel module against one
+process with the same weights and the same global input, in float64 (tolerance 1e-10: the only
+differences are summation order, ~1e-15 relative)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import harness
+import models
+from hybridpar.spatial import collectives, parallelize, shard
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def spatial_mesh(parts: int):
+    world = dist.get_world_size()
+    if world == parts:
+        return harness.mesh((world,), ("spatial",))
+    return harness.mesh((world // parts, parts), ("dp", "spatial"))["spatial"]
+
+
+def build(spec):
+    """``("Conv3d", {...})`` -> an ``nn`` layer; ``("model", name, {...})`` -> a test model."""
+    if spec[0] == "model":
+        return getattr(models, spec[1])(**spec[2])
+    return getattr(nn, spec[0])(**spec[1])
+
+
+def is_partitioned(y_local: torch.Tensor, y_global: torch.Tensor, grid) -> bool:
+    return y_local.shape != y_global.shape
+
+
+def global_loss(y_local, cot_local, partitioned: bool, group):
+    local = (y_local * cot_local).sum()
+    return collectives.all_reduce_sum(local, group) if partitioned else local
+
+
+def check_equivalence(spec, shape, grid, train: bool = True, seed: int = 0) -> dict:
+    """Forward, input gradient and every parameter gradient (and running stats) against one process."""
+    grid = tuple(grid)
+    parts = math.prod(grid)
+    mesh = spatial_mesh(parts)
+    torch.manual_seed(seed)
+    ref = build(spec).double().train(train)
+    model = parallelize(copy.deepcopy(ref), mesh, grid=grid)
+    x = torch.randn(shape, dtype=torch.float64)
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    cot = torch.randn_like(y_ref)
+    (y_ref * cot).sum().backward()
+
+    x_loc = shard(x, mesh, grid=grid).requires_grad_()
+    y_loc = model(x_loc)
+    part = is_partitioned(y_loc, y_ref, grid)
+    expect = shard(y_ref.detach(), mesh, grid=grid) if part else y_ref.detach()
+    torch.testing.assert_close(y_loc, expect, **TOL, msg=lambda m: f"forward output differs: {m}")
+    cot_loc = shard(cot, mesh, grid=grid) if part else cot
+    global_loss(y_loc, cot_loc, part, mesh.get_group()).backward()
+
+    torch.testing.assert_close(x_loc.grad / parts, shard(x_ref.grad, mesh, grid=grid), **TOL,
+                               msg=lambda m: f"input gradient differs: {m}")
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=mesh.get_group())
+        torch.testing.assert_close(grad / parts, p_ref.grad, **TOL, msg=lambda m: f"gradient of {name}: {m}")
+    for (name, b_ref), b in zip(ref.named_buffers(), model.buffers()):
+        torch.testing.assert_close(b, b_ref, **TOL, msg=lambda m: f"buffer {name}: {m}")
+    return {"partitioned_output": part}
+
+
+def expect_error(spec, shape, grid, match: str) -> str:
+    """The parallelized module raises a ValueError containing ``match`` on every rank."""
+    grid = tuple(grid)
+    mesh = spatial_mesh(math.prod(grid))
+    torch.manual_seed(0)
+    model = parallelize(build(spec).double(), mesh, grid=grid)
+    x_loc = _local_input(shape, grid, mesh)
+    try:
+        model(x_loc)
+    except ValueError as err:
+        assert match in str(err), f"expected {match!r} in: {err}"
+        return str(err)
+    raise AssertionError(f"no error for {spec} on grid {grid}")
+
+
+def _local_input(shape, grid, mesh):
+    """A slab of the right shape without needing the global tensor to be splittable."""
+    try:
+        return shard(torch.randn(shape, dtype=torch.float64), mesh, grid=grid)
+    except ValueError:
+        return torch.randn(shape, dtype=torch.float64)

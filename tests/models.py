@@ -1,0 +1,47 @@
+"""Small networks for the tests: a CosmoFlow-like regressor and a U-Net-like segmenter."""
+
+import torch
+import torch.nn as nn
+
+
+class TinyCosmoFlow(nn.Module):
+    """conv3d + LeakyReLU + maxpool blocks, flatten, dense head with dropout, 4 outputs."""
+
+    def __init__(self, size: int = 16, channels: int = 2, width: int = 4, batch_norm: bool = False):
+        super().__init__()
+        layers, c = [], channels
+        for _ in range(2):
+            layers += [nn.Conv3d(c, width, 3, padding=1)]
+            layers += [nn.BatchNorm3d(width)] if batch_norm else []
+            layers += [nn.LeakyReLU(0.3), nn.MaxPool3d(2)]
+            c = width
+        self.features = nn.Sequential(*layers)
+        edge = size // 4
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(width * edge**3, 8), nn.LeakyReLU(0.3),
+                                  nn.Dropout(0.5), nn.Linear(8, 4), nn.Tanh())
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class TinyUNet(nn.Module):
+    """Two levels: encoder conv blocks, maxpool, transposed-conv up-sampling, skip concatenation."""
+
+    def __init__(self, channels: int = 1, width: int = 4, classes: int = 3, norm: str = "instance"):
+        super().__init__()
+        norm_cls = {"instance": lambda c: nn.InstanceNorm3d(c, affine=True), "batch": nn.BatchNorm3d}[norm]
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), norm_cls(cout), nn.ReLU())
+
+        self.enc = block(channels, width)
+        self.down = nn.MaxPool3d(2)
+        self.mid = block(width, 2 * width)
+        self.up = nn.ConvTranspose3d(2 * width, width, 2, stride=2)
+        self.dec = block(2 * width, width)
+        self.out = nn.Conv3d(width, classes, 1)
+
+    def forward(self, x):
+        skip = self.enc(x)
+        y = self.up(self.mid(self.down(skip)))
+        return self.out(self.dec(torch.cat([skip, y], dim=1)))
