@@ -26,6 +26,11 @@ def dist4():
     return _pool(4)
 
 
+@pytest.fixture(scope="session")
+def dist8():
+    return _pool(8)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
         pool.close()

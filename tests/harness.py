@@ -17,7 +17,7 @@ import socket
 import sys
 import traceback
 
-TASK_TIMEOUT = 120.0
+TASK_TIMEOUT = 60.0
 AFTER_ERROR_TIMEOUT = 10.0  # once one rank failed, the others get this long before the pool restarts
 _MESHES: dict = {}
 

@@ -91,16 +91,15 @@ class SpatialContext:
         self.current = Trace()
         self.state = checks.TraceState(self.grid.parts, module.training)
         self.calls = {}
-        to_meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-        tensors = {n: to_meta(t) for n, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
+        tensors = {n: _meta_copy(t) for n, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
         x = torch.empty(shape, dtype=dtype, device="meta")
         self.grid.check_shape(shape[2:], "the model input")
         self.state.mark(x, PARTITIONED)
         hooks = self._path_hooks(module)
         try:
             with checks.Checker(self.state):
-                torch.func.functional_call(module, tensors, (x,) + tree_map(to_meta, tuple(args[1:])),
-                                           tree_map(to_meta, kwargs), strict=False)
+                torch.func.functional_call(module, tensors, (x,) + tree_map(_meta_copy, tuple(args[1:])),
+                                           tree_map(_meta_copy, kwargs), strict=False)
             return self.current
         finally:
             for h in hooks:
@@ -163,6 +162,13 @@ class SpatialContext:
         elif status == REPLICATED:
             self.state.mark(out, REPLICATED)
         return out
+
+
+def _meta_copy(t):
+    """Tensors on the meta device for the trace; scalars (``num_batches_tracked``) stay real copies."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().clone() if t.numel() <= 1 else torch.empty_like(t, device="meta")
 
 
 def global_shape(x: torch.Tensor, comm: SpatialComm, what: str) -> tuple[int, ...]:

@@ -112,8 +112,10 @@ class DimExchange:
 
     @property
     def is_identity(self) -> bool:
+        """This part keeps its slab as it is and sends nothing."""
         return (
-            len(self.pieces) == 1
+            not self.sends
+            and len(self.pieces) == 1
             and self.pieces[0].owner == self.part
             and self.pieces[0].indices == tuple(range(self.lo, self.hi))
         )

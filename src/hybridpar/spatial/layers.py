@@ -195,7 +195,7 @@ class SpatialAvgPool(SpatialLayer):
                 dtype=torch.float64,
             )
             divisor = divisor.unsqueeze(-1) * per_dim
-        if self.divisor_override:
+        if getattr(self, "divisor_override", None):
             divisor = torch.full_like(divisor, float(self.divisor_override))
         return exchanges, native, k, s, divisor
 
@@ -257,7 +257,7 @@ class SpatialFlatten(SpatialLayer):
 def _sync_stats(sums: list[torch.Tensor], group) -> list[torch.Tensor]:
     """All-reduce several statistics in one collective."""
     flat = collectives.all_reduce_sum(torch.cat([s.reshape(-1) for s in sums]), group)
-    return list(flat.split([s.numel() for s in sums]))
+    return [f.view(s.shape) for f, s in zip(flat.split([s.numel() for s in sums]), sums)]
 
 
 class SpatialBatchNorm(SpatialLayer):
