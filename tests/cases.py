@@ -95,3 +95,57 @@ def _local_input(shape, grid, mesh):
         return shard(torch.randn(shape, dtype=torch.float64), mesh, grid=grid)
     except ValueError:
         return torch.randn(shape, dtype=torch.float64)
+
+
+def train_equivalence(model: str, kwargs: dict, shape, grid, dp: int, task: str, steps: int = 3,
+                      batch_norm_over_dp: bool = True) -> list[float]:
+    """``steps`` SGD steps of dp x spatial against one process on the global batch: the loss of every
+    step and every parameter after every step."""
+    import torch.nn.functional as F
+
+    from hybridpar.parallel import data_parallel
+    from hybridpar.spatial import cross_entropy
+
+    grid = tuple(grid)
+    parts = math.prod(grid)
+    mesh = harness.mesh((dp, parts), ("dp", "spatial"))
+    torch.manual_seed(0)
+    ref = build(("model", model, kwargs)).double()
+    net = parallelize(copy.deepcopy(ref), mesh["spatial"], grid=grid,
+                      batch_norm_mesh=mesh if batch_norm_over_dp else None)
+    ddp = data_parallel(net, mesh)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    n = shape[0] // dp
+    dp_rank = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(steps):
+        x = torch.randn(shape, dtype=torch.float64)
+        if task == "regression":
+            target = torch.rand(shape[0], 4, dtype=torch.float64) * 2 - 1
+            loss_ref = F.mse_loss(ref(x), target)
+        else:
+            target = torch.randint(0, kwargs.get("classes", 3), (shape[0],) + tuple(shape[2:]))
+            loss_ref = F.cross_entropy(ref(x), target)
+        opt_ref.zero_grad()
+        loss_ref.backward()
+        opt_ref.step()
+
+        mine = slice(dp_rank * n, (dp_rank + 1) * n)
+        x_loc = shard(x[mine], mesh["spatial"], grid=grid)
+        if task == "regression":
+            loss = F.mse_loss(ddp(x_loc), target[mine])
+        else:
+            t_loc = shard(target[mine].unsqueeze(1), mesh["spatial"], grid=grid).squeeze(1)
+            loss = cross_entropy(ddp(x_loc), t_loc, mesh["spatial"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
+        torch.testing.assert_close(mean_loss / dp, loss_ref.detach(), **TOL, msg=lambda m: f"loss of step {step}: {m}")
+        for (name, p_ref), p in zip(ref.named_parameters(), net.parameters()):
+            torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL,
+                                       msg=lambda m: f"parameter {name} after step {step}: {m}")
+        losses.append(float(loss_ref))
+    return losses

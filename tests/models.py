@@ -7,7 +7,8 @@ import torch.nn as nn
 class TinyCosmoFlow(nn.Module):
     """conv3d + LeakyReLU + maxpool blocks, flatten, dense head with dropout, 4 outputs."""
 
-    def __init__(self, size: int = 16, channels: int = 2, width: int = 4, batch_norm: bool = False):
+    def __init__(self, size: int = 16, channels: int = 2, width: int = 4, batch_norm: bool = False,
+                 dropout: float = 0.5):
         super().__init__()
         layers, c = [], channels
         for _ in range(2):
@@ -18,7 +19,7 @@ class TinyCosmoFlow(nn.Module):
         self.features = nn.Sequential(*layers)
         edge = size // 4
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(width * edge**3, 8), nn.LeakyReLU(0.3),
-                                  nn.Dropout(0.5), nn.Linear(8, 4), nn.Tanh())
+                                  nn.Dropout(dropout), nn.Linear(8, 4), nn.Tanh())
 
     def forward(self, x):
         return self.head(self.features(x))

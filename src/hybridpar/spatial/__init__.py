@@ -1,11 +1,11 @@
 """Spatial (domain) parallelism: one sample split into slabs across ranks, halos exchanged at the
 borders, every layer computing exactly what one process computes on the whole volume."""
 
-from hybridpar.spatial.convert import global_shape, parallelize, shard, unshard
+from hybridpar.spatial.convert import exchange_stats, global_shape, parallelize, shard, unshard
 from hybridpar.spatial.geometry import Grid, split_bounds
 from hybridpar.spatial.losses import cross_entropy, dice_loss, mse_loss
 
 __all__ = [
-    "Grid", "cross_entropy", "dice_loss", "global_shape", "mse_loss", "parallelize", "shard",
+    "Grid", "cross_entropy", "dice_loss", "exchange_stats", "global_shape", "mse_loss", "parallelize", "shard",
     "split_bounds", "unshard",
 ]

@@ -22,7 +22,8 @@ from hybridpar.spatial import checks
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED
 from hybridpar.spatial.collectives import gather_slabs
 from hybridpar.spatial.geometry import Grid
-from hybridpar.spatial.halo import SpatialComm
+from hybridpar.parallel.data import flat_group
+from hybridpar.spatial.halo import ExchangeStats, SpatialComm
 from hybridpar.spatial.layers import LAYERS, SpatialLayer
 
 _MAX_DIMS = 8
@@ -107,10 +108,15 @@ class SpatialContext:
             self.state = None
 
     def _path_hooks(self, root: nn.Module):
+        def enter(module, args):
+            self.state.paths.append(self.paths[id(module)])
+
+        def leave(module, args, output):
+            self.state.paths.pop()
+
         hooks = []
-        for name, m in root.named_modules():
-            hooks.append(m.register_forward_pre_hook(lambda m, a, name=name: self.state.paths.append(name)))
-            hooks.append(m.register_forward_hook(lambda m, a, o: self.state.paths.pop()))
+        for m in root.modules():
+            hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
         return hooks
 
     # -- converted layers ---------------------------------------------------------------------
@@ -240,7 +246,7 @@ def parallelize(
         raise MeshError(f"grid {grid_.parts} has {grid_.size} parts but the spatial mesh has {mesh.size()} ranks")
     comm = SpatialComm.from_group(mesh.get_group(), grid_)
     norm = batch_norm_mesh or mesh
-    norm_group = norm.get_group() if norm.ndim == 1 else _flat_group(norm)
+    norm_group = norm.get_group() if norm.ndim == 1 else flat_group(norm, tuple(norm.mesh_dim_names))
     ctx = SpatialContext(module, comm, norm_group)
     _convert(module, ctx)
     module.register_forward_pre_hook(ctx.before_forward, with_kwargs=True)
@@ -248,8 +254,12 @@ def parallelize(
     return module
 
 
-def _flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    return mesh._flatten().get_group()
+def exchange_stats(module: nn.Module) -> ExchangeStats:
+    """Bytes and messages this rank sent in halo exchanges of a parallelized ``module``."""
+    for m in module.modules():
+        if isinstance(m, SpatialLayer):
+            return m._hp_ctx.comm.stats
+    raise UnsupportedModuleError("exchange_stats: the module has no spatially parallel layer")
 
 
 def _comm(mesh: DeviceMesh, grid) -> SpatialComm:
