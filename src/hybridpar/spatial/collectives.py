@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 
 from hybridpar.spatial.halo import SpatialComm
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: the sum of ``x`` over ``group``. Backward: the sum of the gradients over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over ``group``; backward sums the gradients the same way."""
-    return dist_nn.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    """Sum over ``group``, differentiable."""
+    return _AllReduceSum.apply(x, group)
 
 
 class _AllGather(torch.autograd.Function):
