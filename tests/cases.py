@@ -41,14 +41,14 @@ def global_loss(y_local, cot_local, partitioned: bool, group):
     return collectives.all_reduce_sum(local, group) if partitioned else local
 
 
-def check_equivalence(spec, shape, grid, train: bool = True, seed: int = 0) -> dict:
+def check_equivalence(spec, shape, grid, train: bool = True, seed: int = 0, overlap: bool | None = None) -> dict:
     """Forward, input gradient and every parameter gradient (and running stats) against one process."""
     grid = tuple(grid)
     parts = math.prod(grid)
     mesh = spatial_mesh(parts)
     torch.manual_seed(seed)
     ref = build(spec).double().train(train)
-    model = parallelize(copy.deepcopy(ref), mesh, grid=grid)
+    model = parallelize(copy.deepcopy(ref), mesh, grid=grid, overlap=overlap)
     x = torch.randn(shape, dtype=torch.float64)
     x_ref = x.clone().requires_grad_()
     y_ref = ref(x_ref)

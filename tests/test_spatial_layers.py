@@ -105,6 +105,19 @@ def test_3d_four_ranks(dist4, spec, grid):
     dist4.run(cases.check_equivalence, spec=spec, shape=SHAPE_3D_4, grid=grid, train=_train(spec))
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("grid", GRIDS_2 + [(1, 2, 1)], ids=str)
+@pytest.mark.parametrize("spec", [("Conv3d", c) for c in CONV3D], ids=_id)
+def test_conv3d_overlap_two_ranks(dist2, spec, grid, overlap):
+    dist2.run(cases.check_equivalence, spec=spec, shape=SHAPE_3D, grid=grid, overlap=overlap)
+
+
+@pytest.mark.parametrize("grid", GRIDS_4, ids=str)
+@pytest.mark.parametrize("spec", [("Conv3d", c) for c in CONV3D], ids=_id)
+def test_conv3d_overlap_four_ranks(dist4, spec, grid):
+    dist4.run(cases.check_equivalence, spec=spec, shape=SHAPE_3D_4, grid=grid, overlap=True)
+
+
 SPECS_2D = [
     ("Conv2d", dict(C, kernel_size=3, padding=1)),
     ("Conv2d", dict(C, kernel_size=3, stride=2, padding=1, padding_mode="circular")),

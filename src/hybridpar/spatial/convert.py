@@ -47,8 +47,9 @@ class Trace:
 class SpatialContext:
     """Shared by the converted layers of one model: the group, the grid and the traced geometry."""
 
-    def __init__(self, root: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup):
+    def __init__(self, root: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup, overlap: bool | None):
         self.root = root
+        self.overlap = overlap
         self.comm = comm
         self.grid = comm.grid
         self.coords = comm.coords
@@ -62,6 +63,18 @@ class SpatialContext:
     def where(self, module: nn.Module) -> str:
         path = self.paths[id(module)] or "<root>"
         return f"layer '{path}' ({type(module).__bases__[-1].__name__})"
+
+    def use_overlap(self, x: torch.Tensor, plan) -> bool:
+        """Overlap a conv's halo exchange with its interior? ``None`` (auto): on GPUs, and on CPUs when
+        the border pieces are big enough for PyTorch's fast (mkldnn) conv, N*C*D*H > 20480."""
+        if self.overlap is not None:
+            return self.overlap
+        if x.is_cuda:
+            return True
+        if x.dim() != 5:
+            return False
+        d, h = (plan.border_rows if plan.axis == a else x.shape[2 + a] for a in (0, 1))
+        return x.shape[0] * x.shape[1] * d * h > 20480
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         slab = self.grid.slab(tuple(shape[2:]), self.comm.rank)
@@ -232,12 +245,15 @@ def parallelize(
     *,
     grid: tuple[int, ...],
     batch_norm_mesh: DeviceMesh | None = None,
+    overlap: bool | None = None,
 ) -> nn.Module:
     """Convert ``module`` in place so that each rank of the 1-D ``mesh`` computes its slab exactly.
 
     ``grid`` gives parts per spatial dim (row-major over the mesh). Batch-norm statistics are
     summed over ``batch_norm_mesh`` (default: ``mesh``); pass a mesh spanning data parallelism
-    too to normalise over the global batch. Parameter names and shapes are unchanged.
+    too to normalise over the global batch. ``overlap`` makes convolutions compute their interior
+    while the halo is in flight (``None``: where it pays, see ``SpatialContext.use_overlap``).
+    Parameter names and shapes are unchanged.
     """
     grid_ = Grid(tuple(grid))
     if mesh.ndim != 1:
@@ -247,7 +263,7 @@ def parallelize(
     comm = SpatialComm.from_group(mesh.get_group(), grid_)
     norm = batch_norm_mesh or mesh
     norm_group = norm.get_group() if norm.ndim == 1 else flat_group(norm, tuple(norm.mesh_dim_names))
-    ctx = SpatialContext(module, comm, norm_group)
+    ctx = SpatialContext(module, comm, norm_group, overlap)
     _convert(module, ctx)
     module.register_forward_pre_hook(ctx.before_forward, with_kwargs=True)
     module.register_forward_hook(ctx.after_forward, with_kwargs=True)

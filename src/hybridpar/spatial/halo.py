@@ -69,16 +69,19 @@ def _add_rows(grad: torch.Tensor, dim: int, indices: tuple[int, ...], lo: int, r
         grad.index_add_(dim, torch.tensor([i - lo for i in indices], device=grad.device), rows)
 
 
-def _exchange(comm: SpatialComm, axis: int, sends, recvs) -> None:
-    """Post every send and receive of one exchange at once, then wait for all of them."""
+def _post(comm: SpatialComm, axis: int, sends, recvs) -> list:
+    """Post every send and receive of one exchange at once; returns the requests to wait on."""
     ops = [dist.P2POp(dist.isend, buf, comm.peer(axis, part), comm.group, tag) for part, buf, tag in sends]
     ops += [dist.P2POp(dist.irecv, buf, comm.peer(axis, part), comm.group, tag) for part, buf, tag in recvs]
-    for buf in (b for _, b, _ in sends):
+    for _, buf, _ in sends:
         comm.stats.bytes_sent += buf.numel() * buf.element_size()
     comm.stats.messages += len(sends)
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(requests) -> None:
+    for req in requests:
+        req.wait()
 
 
 def _shape_with(x: torch.Tensor, dim: int, length: int) -> list[int]:
@@ -87,51 +90,110 @@ def _shape_with(x: torch.Tensor, dim: int, length: int) -> list[int]:
     return shape
 
 
+def _is_remote(piece, ex: DimExchange) -> bool:
+    return piece.owner not in (None, ex.part)
+
+
+def _post_forward(x, ex: DimExchange, comm: SpatialComm, dim: int):
+    """Send this part's border rows, post receives of the halo pieces; returns (requests, halos by tag)."""
+    sends = [(part, _rows(x, dim, idx, ex.lo).contiguous(), tag) for part, idx, tag in ex.sends]
+    halos = {tag: x.new_empty(_shape_with(x, dim, p.length)) for tag, p in enumerate(ex.pieces) if _is_remote(p, ex)}
+    recvs = [(ex.pieces[tag].owner, buf, tag) for tag, buf in halos.items()]
+    return _post(comm, ex.axis, sends, recvs), halos
+
+
+def _return_halo_grads(ex: DimExchange, comm: SpatialComm, dim: int, grad_x: torch.Tensor, halo_grads: dict):
+    """Backward of the exchange: send each halo's gradient to its owner, receive the gradients of the
+    rows this part sent and add them into ``grad_x`` (this part's slab gradient)."""
+    sends = [(ex.pieces[tag].owner, g.contiguous(), tag) for tag, g in halo_grads.items()]
+    recvs = [(part, grad_x.new_empty(_shape_with(grad_x, dim, len(idx))), tag) for part, idx, tag in ex.sends]
+    _wait(_post(comm, ex.axis, sends, recvs))
+    for (_, idx, _), (_, buf, _) in zip(ex.sends, recvs):
+        _add_rows(grad_x, dim, idx, ex.lo, buf)
+    return grad_x
+
+
 class _HaloExchange(torch.autograd.Function):
     """Forward: assemble ``pieces`` along ``dim`` (own rows, neighbours' rows, fill rows).
     Backward: own rows' gradients stay, halo gradients go back to their owners and are added there."""
 
     @staticmethod
     def forward(ctx, x, ex: DimExchange, comm: SpatialComm, dim: int, fill: float):
-        sends = [(part, _rows(x, dim, idx, ex.lo).contiguous(), tag) for part, idx, tag in ex.sends]
-        recvs = {
-            tag: (p.owner, x.new_empty(_shape_with(x, dim, p.length)), tag)
-            for tag, p in enumerate(ex.pieces)
-            if p.owner not in (None, ex.part)
-        }
-        _exchange(comm, ex.axis, sends, list(recvs.values()))
-        out = []
-        for tag, piece in enumerate(ex.pieces):
-            if piece.owner is None:
-                out.append(x.new_full(_shape_with(x, dim, piece.length), fill))
-            elif piece.owner == ex.part:
-                out.append(_rows(x, dim, piece.indices, ex.lo))
-            else:
-                out.append(recvs[tag][1])
+        requests, halos = _post_forward(x, ex, comm, dim)
+        _wait(requests)
+        out = _pieces(x, ex, dim, fill, halos)
         ctx.ex, ctx.comm, ctx.dim, ctx.shape = ex, comm, dim, x.shape
         return torch.cat(out, dim) if len(out) > 1 else out[0].clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        ex, comm, dim = ctx.ex, ctx.comm, ctx.dim
-        grad_out = grad_out.contiguous()
-        grads = grad_out.split([p.length for p in ex.pieces], dim)
-        grad_x = grad_out.new_zeros(ctx.shape)
-        sends = [
-            (p.owner, g.contiguous(), tag)
-            for tag, (p, g) in enumerate(zip(ex.pieces, grads))
-            if p.owner not in (None, ex.part)
-        ]
-        recvs = [
-            (part, grad_out.new_empty(_shape_with(grad_out, dim, len(idx))), tag) for part, idx, tag in ex.sends
-        ]
-        _exchange(comm, ex.axis, sends, recvs)
+        ex, dim = ctx.ex, ctx.dim
+        grads = grad_out.contiguous().split([p.length for p in ex.pieces], dim)
+        halo_grads = {tag: g for tag, (p, g) in enumerate(zip(ex.pieces, grads)) if _is_remote(p, ex)}
+        grad_x = _return_halo_grads(ex, ctx.comm, dim, grad_out.new_zeros(ctx.shape), halo_grads)
         for piece, g in zip(ex.pieces, grads):
             if piece.owner == ex.part:
                 _add_rows(grad_x, dim, piece.indices, ex.lo, g)
-        for (_, idx, _), (_, buf, _) in zip(ex.sends, recvs):
-            _add_rows(grad_x, dim, idx, ex.lo, buf)
         return grad_x, None, None, None, None
+
+
+def _pieces(x, ex: DimExchange, dim: int, fill: float, halos: dict) -> list[torch.Tensor]:
+    """The assembled rows, piece by piece: fill rows, own rows (views of ``x``), received halos."""
+    out = []
+    for tag, piece in enumerate(ex.pieces):
+        if piece.owner is None:
+            out.append(x.new_full(_shape_with(x, dim, piece.length), fill))
+        elif piece.owner == ex.part:
+            out.append(_rows(x, dim, piece.indices, ex.lo))
+        else:
+            out.append(halos[tag])
+    return out
+
+
+class _HaloStart(torch.autograd.Function):
+    """Forward: post the exchange and return the (not yet filled) halo buffers; ``pending`` gets the
+    requests, for ``_HaloWait``. Backward: the mirror exchange, blocking."""
+
+    @staticmethod
+    def forward(ctx, x, ex: DimExchange, comm: SpatialComm, dim: int, pending: list):
+        requests, halos = _post_forward(x, ex, comm, dim)
+        pending.extend(requests)
+        ctx.ex, ctx.comm, ctx.dim, ctx.tags = ex, comm, dim, list(halos)
+        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        return tuple(halos.values())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        halo_grads = dict(zip(ctx.tags, grads))
+        grad_x = torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        return _return_halo_grads(ctx.ex, ctx.comm, ctx.dim, grad_x, halo_grads), None, None, None, None
+
+
+class _HaloWait(torch.autograd.Function):
+    """Forward: wait for the requests of ``_HaloStart``; the halos pass through. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, pending: list, *halos):
+        _wait(pending)
+        return tuple(h.clone() for h in halos)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
+class PendingHalo:
+    """An exchange in flight: ``start`` posts it, ``pieces`` waits and gives the assembled pieces."""
+
+    def __init__(self, x, ex: DimExchange, comm: SpatialComm, dim: int, fill: float):
+        self.x, self.ex, self.dim, self.fill = x, ex, dim, fill
+        self._requests: list = []
+        self._halos = _HaloStart.apply(x, ex, comm, dim, self._requests)
+
+    def pieces(self) -> list[torch.Tensor]:
+        halos = _HaloWait.apply(self._requests, *self._halos)
+        tags = [t for t, p in enumerate(self.ex.pieces) if _is_remote(p, self.ex)]
+        return _pieces(self.x, self.ex, self.dim, self.fill, dict(zip(tags, halos)))
 
 
 def halo_exchange(x: torch.Tensor, ex: DimExchange | None, comm: SpatialComm, dim: int, fill: float = 0.0):
@@ -147,3 +209,15 @@ def assemble(x: torch.Tensor, exchanges, comm: SpatialComm, fill: float = 0.0) -
         x = halo_exchange(x, ex, comm, 2 + axis, fill)
     return x
 
+
+
+def rows_of(pieces: list[torch.Tensor], start: int, stop: int, dim: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the concatenation of ``pieces`` along ``dim``, without building it all."""
+    out, offset = [], 0
+    for piece in pieces:
+        length = piece.shape[dim]
+        lo, hi = max(start, offset), min(stop, offset + length)
+        if hi > lo:
+            out.append(piece.narrow(dim, lo - offset, hi - lo))
+        offset += length
+    return torch.cat(out, dim) if len(out) > 1 else out[0]

@@ -12,6 +12,7 @@ the original, as FSDP2 does); only ``forward`` changes. Each kind provides
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from hybridpar.errors import UnsupportedModuleError
 from hybridpar.spatial import collectives
 from hybridpar.spatial.geometry import TransposedWindow, Window, plan_exchange, split_bounds
-from hybridpar.spatial.halo import assemble
+from hybridpar.spatial.halo import PendingHalo, assemble, rows_of
 
 PARTITIONED = "partitioned"
 REPLICATED = "replicated"
@@ -82,13 +83,73 @@ class SpatialConv(SpatialLayer):
         right = [pads[2 * (n - 1 - i) + 1] for i in range(n)]
         windows = [Window(self.kernel_size[i], self.stride[i], left[i], self.dilation[i]) for i in range(n)]
         symmetric = [left[i] if left[i] == right[i] and self.padding_mode == "zeros" else None for i in range(n)]
-        return _windowed_exchanges(ctx, ctx.where(self), in_shape, out_shape, windows, self.padding_mode, symmetric)
+        exchanges, native = _windowed_exchanges(ctx, ctx.where(self), in_shape, out_shape, windows,
+                                                self.padding_mode, symmetric)
+        return exchanges, native, _overlap_plan(exchanges, windows, ctx, out_shape)
 
     def _hp_run(self, x, geo, ctx):
-        exchanges, native = geo
+        exchanges, native, overlap = geo
+        if overlap is not None and ctx.use_overlap(x, overlap):
+            return self._run_overlapped(x, exchanges[overlap.axis], native, overlap, ctx)
         x = assemble(x, exchanges, ctx.comm, 0.0)
+        return self._conv(x, native)
+
+    def _conv(self, x, native):
         conv = (F.conv1d, F.conv2d, F.conv3d)[len(self.kernel_size) - 1]
         return conv(x, self.weight, self.bias, self.stride, native, self.dilation, self.groups)
+
+    def _run_overlapped(self, x, ex, native, plan: "OverlapPlan", ctx):
+        """Post the halo exchange, convolve the interior (which needs no halo) while it is in flight,
+        then the two borders, and put the three output pieces together."""
+        dim = 2 + plan.axis
+        pending = PendingHalo(x, ex, ctx.comm, dim, 0.0)
+        interior = self._conv(x.narrow(dim, plan.interior[0], plan.interior[1] - plan.interior[0]), native)
+        pieces = pending.pieces()
+        out = [interior]
+        if plan.left is not None:
+            out.insert(0, self._conv(rows_of(pieces, 0, plan.left, dim), native))
+        if plan.right is not None:
+            out.append(self._conv(rows_of(pieces, plan.right[0], plan.right[1], dim), native))
+        return torch.cat(out, dim) if len(out) > 1 else interior
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    """Where a conv over a slab split along one ``axis`` can start before its halo arrives:
+    ``interior`` local rows of the slab give the middle outputs; assembled rows ``[0, left)`` and
+    ``right`` give the outputs on either side (``None``: no output there)."""
+
+    axis: int
+    interior: tuple[int, int]
+    left: int | None
+    right: tuple[int, int] | None
+    border_rows: int
+
+
+def _overlap_plan(exchanges, windows, ctx, out_shape) -> OverlapPlan | None:
+    """An ``OverlapPlan`` if exactly one dim exchanges rows with a neighbour and the slab has an interior."""
+    active = [a for a, ex in enumerate(exchanges) if ex is not None]
+    if len(active) != 1:
+        return None
+    axis = active[0]
+    ex, window = exchanges[axis], windows[axis]
+    own = [i for i, p in enumerate(ex.pieces) if p.owner == ex.part]
+    if len(own) != 1 or not any(p.owner not in (None, ex.part) for p in ex.pieces):
+        return None
+    before = sum(p.length for p in ex.pieces[: own[0]])
+    own_rows = ex.pieces[own[0]].indices
+    total = sum(p.length for p in ex.pieces)
+    s, reach = window.stride, window.dilation * (window.kernel - 1)
+    o0, o1 = _out_slab(ctx, out_shape, axis)
+    j0 = -(-before // s)
+    j1 = min((before + len(own_rows) - 1 - reach) // s + 1, o1 - o0)
+    if j1 - j0 < 1:
+        return None
+    offset = own_rows[0] - ex.lo - before
+    left = (j0 - 1) * s + reach + 1 if j0 > 0 else None
+    right = (j1 * s, total) if j1 < o1 - o0 else None
+    border = max(left or 0, (right[1] - right[0]) if right else 0)
+    return OverlapPlan(axis, (j0 * s + offset, (j1 - 1) * s + reach + 1 + offset), left, right, border)
 
 
 class SpatialConvTranspose(SpatialLayer):
