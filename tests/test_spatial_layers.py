@@ -165,3 +165,8 @@ def test_1d(dist2, dist4, spec):
                          ids=_id)
 def test_3d_grid_eight_ranks(dist8, spec):
     dist8.run(cases.check_equivalence, spec=spec, shape=(2, 2, 9, 8, 7), grid=(2, 2, 2))
+
+
+@pytest.mark.parametrize("grid", GRIDS_2, ids=str)
+def test_residual_block_with_conv_subclass(dist2, grid):
+    dist2.run(cases.check_equivalence, spec=("model", "Residual", {}), shape=SHAPE_3D, grid=grid)

@@ -221,12 +221,20 @@ def _convert(module: nn.Module, ctx: SpatialContext) -> None:
         ctx.paths[id(m)] = path
         if isinstance(m, SpatialLayer):
             raise UnsupportedModuleError(f"module '{path or '<root>'}' is already spatially parallel")
-        base = type(m)
-        kind = LAYERS.get(base)
+        kind = _layer_kind(type(m))
         if kind is None:
             continue
-        m.__class__ = _subclass(kind, base)
+        m.__class__ = _subclass(kind, type(m))
         m._hp_ctx = ctx
+
+
+def _layer_kind(cls: type) -> type | None:
+    """The spatial version of ``cls``: of a supported layer, or of a subclass that keeps its ``forward``
+    (one that overrides it is traced and checked function by function instead)."""
+    for base in cls.__mro__:
+        if base in LAYERS:
+            return LAYERS[base] if cls.forward is base.forward else None
+    return None
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
