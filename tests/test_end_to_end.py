@@ -26,3 +26,12 @@ def test_unet_like_spatial4_2d_grid(dist4):
     cases_losses = dist4.run(cases.train_equivalence, model="TinyUNet", kwargs=dict(channels=1),
                              shape=(2, 1, 12, 10, 8), grid=(2, 2, 1), dp=1, task="segmentation")
     assert len(cases_losses[0]) == 3
+
+
+@pytest.mark.parametrize("model,kwargs,task,shape", [
+    ("TinyCosmoFlow", dict(size=16, channels=2, batch_norm=True, dropout=0.0), "regression", (4, 2, 16, 16, 16)),
+    ("TinyUNet", dict(channels=1), "segmentation", (2, 1, 12, 10, 8)),
+], ids=["cosmoflow", "unet"])
+def test_fsdp2_dp2_spatial2(dist4, model, kwargs, task, shape):
+    dist4.run(cases.train_equivalence, model=model, kwargs=kwargs, shape=shape, grid=(2, 1, 1), dp=2,
+              task=task, kind="fsdp")

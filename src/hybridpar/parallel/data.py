@@ -12,21 +12,34 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridpar.errors import MeshError
 
 
-def flat_group(mesh: DeviceMesh, axes: tuple[str, ...]):
-    """One process group spanning ``axes`` of ``mesh`` (the mesh itself if it is 1-D)."""
+def flat_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D mesh spanning ``axes`` of ``mesh`` (the mesh itself if it is those axes and 1-D)."""
     names = mesh.mesh_dim_names or ()
     missing = [a for a in axes if a not in names]
     if missing:
         raise MeshError(f"mesh axes {names} lack {missing}; build the mesh with hybridpar.mesh.build_mesh")
     sub = mesh[axes] if tuple(names) != tuple(axes) else mesh
-    return sub.get_group() if sub.ndim == 1 else sub._flatten().get_group()
+    return sub if sub.ndim == 1 else sub._flatten()
 
 
-def data_parallel(module: nn.Module, mesh: DeviceMesh, *, axes: tuple[str, ...] = ("dp", "spatial"), **ddp_kwargs):
-    """Wrap a (spatially parallelized) module in DDP over the ``axes`` of ``mesh``, flattened."""
-    return DistributedDataParallel(module, process_group=flat_group(mesh, tuple(axes)), **ddp_kwargs)
+def flat_group(mesh: DeviceMesh, axes: tuple[str, ...]):
+    """One process group spanning ``axes`` of ``mesh``."""
+    return flat_mesh(mesh, axes).get_group()
+
+
+def data_parallel(module: nn.Module, mesh: DeviceMesh, *, axes: tuple[str, ...] = ("dp", "spatial"),
+                  kind: str = "ddp", **kwargs):
+    """Data parallelism over the ``axes`` of ``mesh``, flattened: ``kind="ddp"`` wraps the module in
+    DDP (and returns the wrapper); ``kind="fsdp"`` shards it in place with FSDP2 ``fully_shard``
+    (parameters become DTensors sharded over those ranks; gradients are reduce-scattered)."""
+    if kind == "ddp":
+        return DistributedDataParallel(module, process_group=flat_group(mesh, tuple(axes)), **kwargs)
+    if kind == "fsdp":
+        return fully_shard(module, mesh=flat_mesh(mesh, tuple(axes)), **kwargs)
+    raise ValueError(f"data_parallel kind={kind!r}: use 'ddp' or 'fsdp'")

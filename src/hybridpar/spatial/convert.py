@@ -9,6 +9,7 @@ raises the same ``ValueError`` on every rank, before any halo is exchanged.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -47,8 +48,8 @@ class Trace:
 class SpatialContext:
     """Shared by the converted layers of one model: the group, the grid and the traced geometry."""
 
-    def __init__(self, root: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup, overlap: bool | None):
-        self.root = root
+    def __init__(self, twin: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup, overlap: bool | None):
+        self.twin = twin
         self.overlap = overlap
         self.comm = comm
         self.grid = comm.grid
@@ -83,37 +84,36 @@ class SpatialContext:
     # -- forward of the root: global shape, trace once per shape --------------------------------
 
     def before_forward(self, module, args, kwargs):
-        if self.state is not None:
-            return
         if not args or not isinstance(args[0], torch.Tensor):
             raise UnsupportedModuleError(
                 "the spatially parallel model takes its partitioned input as the first positional argument"
             )
         x = args[0]
         shape = global_shape(x, self.comm, "the model input")
-        key = (shape, x.dtype, module.training)
+        modes = tuple(m.training for m in module.modules())
+        key = (shape, x.dtype, modes)
         if key not in self.traces:
-            self.traces[key] = self._trace(module, shape, x.dtype, args, kwargs)
+            self.traces[key] = self._trace(modes, shape, x.dtype, args, kwargs)
         self.current = self.traces[key]
         self.calls = {}
 
     def after_forward(self, module, args, kwargs, output):
-        if self.state is None:
-            self.current = None
+        self.current = None
 
-    def _trace(self, module, shape, dtype, args, kwargs) -> Trace:
-        self.current = Trace()
-        self.state = checks.TraceState(self.grid.parts, module.training)
-        self.calls = {}
-        tensors = {n: _meta_copy(t) for n, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
-        x = torch.empty(shape, dtype=dtype, device="meta")
+    def _trace(self, modes, shape, dtype, args, kwargs) -> Trace:
+        """Run the meta twin of the model on the global shape, recording and checking every layer."""
         self.grid.check_shape(shape[2:], "the model input")
+        for m, training in zip(self.twin.modules(), modes):
+            m.training = training
+        self.current = Trace()
+        self.state = checks.TraceState(self.grid.parts, self.twin.training)
+        self.calls = {}
+        x = torch.empty(shape, dtype=dtype, device="meta")
         self.state.mark(x, PARTITIONED)
-        hooks = self._path_hooks(module)
+        hooks = self._path_hooks(self.twin)
         try:
             with checks.Checker(self.state):
-                torch.func.functional_call(module, tensors, (x,) + tree_map(_meta_copy, tuple(args[1:])),
-                                           tree_map(_meta_copy, kwargs), strict=False)
+                self.twin(x, *tree_map(_meta_copy, tuple(args[1:])), **tree_map(_meta_copy, kwargs))
             return self.current
         finally:
             for h in hooks:
@@ -188,6 +188,16 @@ def _meta_copy(t):
     if not isinstance(t, torch.Tensor):
         return t
     return t.detach().clone() if t.numel() <= 1 else torch.empty_like(t, device="meta")
+
+
+def _meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory), so the
+    trace never touches the live model, its hooks or wrappers (DDP, FSDP2)."""
+    memo = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = _meta_copy(t)
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
 
 
 def global_shape(x: torch.Tensor, comm: SpatialComm, what: str) -> tuple[int, ...]:
@@ -271,8 +281,9 @@ def parallelize(
     comm = SpatialComm.from_group(mesh.get_group(), grid_)
     norm = batch_norm_mesh or mesh
     norm_group = norm.get_group() if norm.ndim == 1 else flat_group(norm, tuple(norm.mesh_dim_names))
-    ctx = SpatialContext(module, comm, norm_group, overlap)
+    ctx = SpatialContext(_meta_twin(module), comm, norm_group, overlap)
     _convert(module, ctx)
+    _convert(ctx.twin, ctx)
     module.register_forward_pre_hook(ctx.before_forward, with_kwargs=True)
     module.register_forward_hook(ctx.after_forward, with_kwargs=True)
     return module
