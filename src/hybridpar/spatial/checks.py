@@ -69,7 +69,7 @@ class TraceState:
 
     @property
     def path(self) -> str:
-        return self.paths[-1] if self.paths else "<root>"
+        return (self.paths[-1] if self.paths else "") or "<root>"
 
 
 class Checker(TorchFunctionMode):

@@ -170,6 +170,11 @@ class SpatialContext:
         geo = None
         if status == PARTITIONED:
             where = self.where(module)
+            if getattr(module, "return_indices", False):
+                raise UnsupportedModuleError(
+                    f"{where}: return_indices=True gives indices into the local slab, not the global volume; "
+                    "use return_indices=False"
+                )
             self.grid.check_shape(tuple(x.shape[2:]), where)
             if module._hp_output == PARTITIONED:
                 self.grid.check_shape(tuple(out.shape[2:]), f"{where} output")
@@ -273,12 +278,7 @@ def parallelize(
     while the halo is in flight (``None``: where it pays, see ``SpatialContext.use_overlap``).
     Parameter names and shapes are unchanged.
     """
-    grid_ = Grid(tuple(grid))
-    if mesh.ndim != 1:
-        raise MeshError(f"spatial mesh has {mesh.ndim} axes {mesh.mesh_dim_names}; pass its 1-D spatial sub-mesh")
-    if mesh.size() != grid_.size:
-        raise MeshError(f"grid {grid_.parts} has {grid_.size} parts but the spatial mesh has {mesh.size()} ranks")
-    comm = SpatialComm.from_group(mesh.get_group(), grid_)
+    comm = _comm(mesh, grid)
     norm = batch_norm_mesh or mesh
     norm_group = norm.get_group() if norm.ndim == 1 else flat_group(norm, tuple(norm.mesh_dim_names))
     ctx = SpatialContext(_meta_twin(module), comm, norm_group, overlap)
@@ -299,6 +299,8 @@ def exchange_stats(module: nn.Module) -> ExchangeStats:
 
 def _comm(mesh: DeviceMesh, grid) -> SpatialComm:
     grid_ = Grid(tuple(grid))
+    if mesh.ndim != 1:
+        raise MeshError(f"spatial mesh has {mesh.ndim} axes {mesh.mesh_dim_names}; pass its 1-D spatial sub-mesh")
     if mesh.size() != grid_.size:
         raise MeshError(f"grid {grid_.parts} has {grid_.size} parts but the spatial mesh has {mesh.size()} ranks")
     return SpatialComm.from_group(mesh.get_group(), grid_)

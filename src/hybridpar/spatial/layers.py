@@ -218,11 +218,6 @@ class SpatialMaxPool(SpatialLayer):
     rows past the end that ``ceil_mode`` windows reach are filled with ``-inf``."""
 
     def _hp_plan(self, in_shape, out_shape, ctx):
-        if self.return_indices:
-            raise UnsupportedModuleError(
-                f"{ctx.where(self)}: return_indices=True gives indices into the local slab, not the "
-                "global volume; use return_indices=False"
-            )
         n = len(in_shape) - 2
         k, s, p, d = (_tuple(v, n) for v in (self.kernel_size, self.stride or self.kernel_size,
                                                 self.padding, self.dilation))
@@ -290,8 +285,6 @@ class SpatialGlobalPool(SpatialLayer):
                 f"{ctx.where(self)}: adaptive pooling to {tuple(out_shape[2:])} is only exact to size 1 under "
                 "a spatial split; use output_size=1, or a fixed-window AvgPool/MaxPool"
             )
-        if getattr(self, "return_indices", False):
-            raise UnsupportedModuleError(f"{ctx.where(self)}: return_indices=True is not supported; set it False")
         return math.prod(in_shape[2:])
 
     def _hp_run(self, x, geo, ctx):

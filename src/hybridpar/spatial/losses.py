@@ -50,7 +50,7 @@ def cross_entropy(
     if weight is None:
         count = kept.sum()
     else:
-        count = (weight[target.clamp(min=0)] * kept).sum()
+        count = (weight[target.masked_fill(~kept, 0)] * kept).sum()
     return _reduce(losses.sum(), count, reduction, mesh)
 
 
