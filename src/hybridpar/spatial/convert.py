@@ -66,16 +66,9 @@ class SpatialContext:
         return f"layer '{path}' ({type(module).__bases__[-1].__name__})"
 
     def use_overlap(self, x: torch.Tensor, plan) -> bool:
-        """Overlap a conv's halo exchange with its interior? ``None`` (auto): on GPUs, and on CPUs when
-        the border pieces are big enough for PyTorch's fast (mkldnn) conv, N*C*D*H > 20480."""
-        if self.overlap is not None:
-            return self.overlap
-        if x.is_cuda:
-            return True
-        if x.dim() != 5:
-            return False
-        d, h = (plan.border_rows if plan.axis == a else x.shape[2 + a] for a in (0, 1))
-        return x.shape[0] * x.shape[1] * d * h > 20480
+        """Overlap a conv's halo exchange with its interior? ``None`` (auto): always where the layer
+        allows it (see ``layers.OverlapPlan``); it also saves the copy of the slab with its halos."""
+        return True if self.overlap is None else self.overlap
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         slab = self.grid.slab(tuple(shape[2:]), self.comm.rank)

@@ -85,7 +85,7 @@ class SpatialConv(SpatialLayer):
         symmetric = [left[i] if left[i] == right[i] and self.padding_mode == "zeros" else None for i in range(n)]
         exchanges, native = _windowed_exchanges(ctx, ctx.where(self), in_shape, out_shape, windows,
                                                 self.padding_mode, symmetric)
-        return exchanges, native, _overlap_plan(exchanges, windows, ctx, out_shape)
+        return exchanges, native, _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, self.padding_mode)
 
     def _hp_run(self, x, geo, ctx):
         exchanges, native, overlap = geo
@@ -99,57 +99,53 @@ class SpatialConv(SpatialLayer):
         return conv(x, self.weight, self.bias, self.stride, native, self.dilation, self.groups)
 
     def _run_overlapped(self, x, ex, native, plan: "OverlapPlan", ctx):
-        """Post the halo exchange, convolve the interior (which needs no halo) while it is in flight,
-        then the two borders, and put the three output pieces together."""
-        dim = 2 + plan.axis
+        """Post the halo exchange, convolve the whole slab with the layer's own zero padding while the
+        halo is in flight (right everywhere but the ``pad`` rows next to a neighbour), then recompute
+        those border rows from the halo and write them into the output. The conv saves the slab itself,
+        not a copy with halos, and the output is never copied."""
+        dim, pad, reach = 2 + plan.axis, plan.pad, plan.reach
         pending = PendingHalo(x, ex, ctx.comm, dim, 0.0)
-        interior = self._conv(x.narrow(dim, plan.interior[0], plan.interior[1] - plan.interior[0]), native)
+        y = self._conv(x, tuple(pad if a == plan.axis else p for a, p in enumerate(native)))
         pieces = pending.pieces()
-        out = [interior]
-        if plan.left is not None:
-            out.insert(0, self._conv(rows_of(pieces, 0, plan.left, dim), native))
-        if plan.right is not None:
-            out.append(self._conv(rows_of(pieces, plan.right[0], plan.right[1], dim), native))
-        return torch.cat(out, dim) if len(out) > 1 else interior
+        total = sum(p.shape[dim] for p in pieces)
+        if plan.fix_left:
+            y.narrow(dim, 0, pad).copy_(self._conv(rows_of(pieces, 0, pad + reach, dim), native))
+        if plan.fix_right:
+            right = self._conv(rows_of(pieces, total - pad - reach, total, dim), native)
+            y.narrow(dim, y.shape[dim] - pad, pad).copy_(right)
+        return y
 
 
 @dataclass(frozen=True)
 class OverlapPlan:
-    """Where a conv over a slab split along one ``axis`` can start before its halo arrives:
-    ``interior`` local rows of the slab give the middle outputs; assembled rows ``[0, left)`` and
-    ``right`` give the outputs on either side (``None``: no output there)."""
+    """A stride-1, zero-padded conv whose slab is split along one ``axis`` and keeps its size: the
+    output is the slab's own conv with ``pad`` rows fixed on the sides that have a neighbour."""
 
     axis: int
-    interior: tuple[int, int]
-    left: int | None
-    right: tuple[int, int] | None
-    border_rows: int
+    pad: int
+    reach: int
+    fix_left: bool
+    fix_right: bool
 
 
-def _overlap_plan(exchanges, windows, ctx, out_shape) -> OverlapPlan | None:
-    """An ``OverlapPlan`` if exactly one dim exchanges rows with a neighbour and the slab has an interior."""
+def _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, padding_mode) -> OverlapPlan | None:
+    """An ``OverlapPlan`` where the layer allows one (else ``None``: assemble the halo first)."""
     active = [a for a, ex in enumerate(exchanges) if ex is not None]
-    if len(active) != 1:
+    if len(active) != 1 or padding_mode != "zeros":
         return None
     axis = active[0]
     ex, window = exchanges[axis], windows[axis]
-    own = [i for i, p in enumerate(ex.pieces) if p.owner == ex.part]
-    if len(own) != 1 or not any(p.owner not in (None, ex.part) for p in ex.pieces):
+    pad, reach = window.pad_left, window.dilation * (window.kernel - 1)
+    own = [p for p in ex.pieces if p.owner == ex.part]
+    keeps_size = in_shape[2 + axis] == out_shape[2 + axis] and reach == 2 * pad
+    if window.stride != 1 or pad == 0 or not keeps_size or len(own) != 1 or ex.hi - ex.lo < reach:
         return None
-    before = sum(p.length for p in ex.pieces[: own[0]])
-    own_rows = ex.pieces[own[0]].indices
-    total = sum(p.length for p in ex.pieces)
-    s, reach = window.stride, window.dilation * (window.kernel - 1)
-    o0, o1 = _out_slab(ctx, out_shape, axis)
-    j0 = -(-before // s)
-    j1 = min((before + len(own_rows) - 1 - reach) // s + 1, o1 - o0)
-    if j1 - j0 < 1:
+    if own[0].indices != tuple(range(ex.lo, ex.hi)) or ex.pieces[0].length != pad:
         return None
-    offset = own_rows[0] - ex.lo - before
-    left = (j0 - 1) * s + reach + 1 if j0 > 0 else None
-    right = (j1 * s, total) if j1 < o1 - o0 else None
-    border = max(left or 0, (right[1] - right[0]) if right else 0)
-    return OverlapPlan(axis, (j0 * s + offset, (j1 - 1) * s + reach + 1 + offset), left, right, border)
+    remote = [p.owner not in (None, ex.part) for p in ex.pieces]
+    if not any(remote):
+        return None
+    return OverlapPlan(axis, pad, reach, fix_left=remote[0], fix_right=remote[-1])
 
 
 class SpatialConvTranspose(SpatialLayer):
