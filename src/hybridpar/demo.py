@@ -33,7 +33,7 @@ def _max_diff(a, b) -> float:
 
 def run(dims: ParallelDims, size: int, steps: int, batch: int) -> list[dict]:
     """One worker's part of the demo; returns, per step, the losses and the largest differences."""
-    from hybridpar.launch import init_distributed
+    from hybridpar.launch import init_distributed, shutdown_distributed
 
     init_distributed()
     mesh = build_mesh(dims, dist.get_world_size())
@@ -65,7 +65,8 @@ def run(dims: ParallelDims, size: int, steps: int, batch: int) -> list[dict]:
             "grad_diff": grad_diff,
             "weight_diff": _max_diff(list(model.parameters()), list(ref.parameters())),
         })
-    dist.destroy_process_group()
+    del ddp, model, opt
+    shutdown_distributed()
     return rows
 
 
