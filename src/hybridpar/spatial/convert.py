@@ -68,13 +68,9 @@ class SpatialContext:
         return f"layer '{path}' ({type(module).__bases__[-1].__name__})"
 
     def use_overlap(self, x: torch.Tensor, plan) -> bool:
-        """Overlap a conv's halo exchange with its slab's conv? ``None`` (auto): on GPUs wherever the
-        layer allows it; on CPUs, where nothing runs while the halo travels, only for convs that read
-        the model input, whose halo copy would otherwise stay alive beside the caller's slab for the
-        whole step (the border recompute costs more time than the copy elsewhere; docs/benchmarks.md)."""
-        if self.overlap is not None:
-            return self.overlap
-        return x.is_cuda or plan.reads_model_input
+        """Overlap a conv's halo exchange with its slab's conv? ``None`` (auto): on GPUs. On CPUs nothing
+        runs while the halo travels and the thin border convs are slow (docs/benchmarks.md)."""
+        return x.is_cuda if self.overlap is None else self.overlap
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         slab = self.grid.slab(tuple(shape[2:]), self.comm.rank)

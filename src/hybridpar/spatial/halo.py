@@ -221,3 +221,48 @@ def rows_of(pieces: list[torch.Tensor], start: int, stop: int, dim: int) -> torc
             out.append(piece.narrow(dim, lo - offset, hi - lo))
         offset += length
     return torch.cat(out, dim) if len(out) > 1 else out[0]
+
+
+class _HaloConv(torch.autograd.Function):
+    """Halo exchange then convolution (no padding left along ``dim``), saving the slab and its halos
+    rather than their concatenation: backward concatenates them again (a transient copy) for the
+    convolution's gradients, then returns the halo gradients as ``_HaloExchange`` does. For a slab the
+    caller keeps anyway (the model input) this saves a copy of it for the whole step."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ex: DimExchange, comm: SpatialComm, dim: int, args: tuple):
+        requests, halos = _post_forward(x, ex, comm, dim)
+        _wait(requests)
+        stride, padding, dilation, groups = args
+        zeros = [0] * len(stride)
+        y = torch.ops.aten.convolution(torch.cat(_pieces(x, ex, dim, 0.0, halos), dim), weight, bias,
+                                       stride, padding, dilation, False, zeros, groups)
+        ctx.save_for_backward(x, weight, *halos.values())
+        ctx.ex, ctx.comm, ctx.dim, ctx.args, ctx.tags, ctx.has_bias = ex, comm, dim, args, list(halos), bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, *halo_list = ctx.saved_tensors
+        ex, dim, (stride, padding, dilation, groups) = ctx.ex, ctx.dim, ctx.args
+        assembled = torch.cat(_pieces(x, ex, dim, 0.0, dict(zip(ctx.tags, halo_list))), dim)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad_y, assembled, weight, [weight.shape[0]] if ctx.has_bias else None, stride, padding, dilation,
+            False, [0] * len(stride), groups, [need_x, need_w, ctx.has_bias and need_b],
+        )
+        del assembled
+        grad_x = None
+        if need_x:
+            grads = grad_in.split([p.length for p in ex.pieces], dim)
+            halo_grads = {tag: g for tag, (p, g) in enumerate(zip(ex.pieces, grads)) if _is_remote(p, ex)}
+            grad_x = _return_halo_grads(ex, ctx.comm, dim, grad_in.new_zeros(x.shape), halo_grads)
+            for piece, g in zip(ex.pieces, grads):
+                if piece.owner == ex.part:
+                    _add_rows(grad_x, dim, piece.indices, ex.lo, g)
+        return grad_x, grad_w, grad_b if ctx.has_bias else None, None, None, None, None
+
+
+def halo_conv(x, weight, bias, ex: DimExchange, comm: SpatialComm, dim: int, stride, padding, dilation, groups):
+    """``conv(halo_exchange(x), ...)`` that keeps the slab, not the slab with halos, for backward."""
+    return _HaloConv.apply(x, weight, bias, ex, comm, dim, (tuple(stride), tuple(padding), tuple(dilation), groups))

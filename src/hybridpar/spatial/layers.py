@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hybridpar.errors import UnsupportedModuleError
 from hybridpar.spatial import collectives
 from hybridpar.spatial.geometry import TransposedWindow, Window, plan_exchange, split_bounds
-from hybridpar.spatial.halo import PendingHalo, assemble, rows_of
+from hybridpar.spatial.halo import PendingHalo, assemble, halo_conv, rows_of
 
 PARTITIONED = "partitioned"
 REPLICATED = "replicated"
@@ -85,12 +85,17 @@ class SpatialConv(SpatialLayer):
         symmetric = [left[i] if left[i] == right[i] and self.padding_mode == "zeros" else None for i in range(n)]
         exchanges, native = _windowed_exchanges(ctx, ctx.where(self), in_shape, out_shape, windows,
                                                 self.padding_mode, symmetric)
-        return exchanges, native, _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, self.padding_mode)
+        overlap = _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, self.padding_mode)
+        return exchanges, native, overlap, ctx.reads_model_input
 
     def _hp_run(self, x, geo, ctx):
-        exchanges, native, overlap = geo
+        exchanges, native, overlap, reads_model_input = geo
         if overlap is not None and ctx.use_overlap(x, overlap):
             return self._run_overlapped(x, exchanges[overlap.axis], native, overlap, ctx)
+        active = [a for a, ex in enumerate(exchanges) if ex is not None]
+        if reads_model_input and len(active) == 1:
+            return halo_conv(x, self.weight, self.bias, exchanges[active[0]], ctx.comm, 2 + active[0],
+                             self.stride, native, self.dilation, self.groups)
         x = assemble(x, exchanges, ctx.comm, 0.0)
         return self._conv(x, native)
 
@@ -126,7 +131,6 @@ class OverlapPlan:
     reach: int
     fix_left: bool
     fix_right: bool
-    reads_model_input: bool
 
 
 def _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, padding_mode) -> OverlapPlan | None:
@@ -146,8 +150,7 @@ def _overlap_plan(exchanges, windows, ctx, in_shape, out_shape, padding_mode) ->
     remote = [p.owner not in (None, ex.part) for p in ex.pieces]
     if not any(remote):
         return None
-    return OverlapPlan(axis, pad, reach, fix_left=remote[0], fix_right=remote[-1],
-                       reads_model_input=ctx.reads_model_input)
+    return OverlapPlan(axis, pad, reach, fix_left=remote[0], fix_right=remote[-1])
 
 
 class SpatialConvTranspose(SpatialLayer):
