@@ -113,6 +113,18 @@ def _return_halo_grads(ex: DimExchange, comm: SpatialComm, dim: int, grad_x: tor
     return grad_x
 
 
+def _slab_grad(ex: DimExchange, comm: SpatialComm, dim: int, x_shape, grad_assembled: torch.Tensor):
+    """The slab's gradient from the gradient of its assembled rows: own rows stay, halo rows go back
+    to their owners, and the rows this part sent come back and are added."""
+    grads = grad_assembled.split([p.length for p in ex.pieces], dim)
+    halo_grads = {tag: g for tag, (p, g) in enumerate(zip(ex.pieces, grads)) if _is_remote(p, ex)}
+    grad_x = _return_halo_grads(ex, comm, dim, grad_assembled.new_zeros(x_shape), halo_grads)
+    for piece, g in zip(ex.pieces, grads):
+        if piece.owner == ex.part:
+            _add_rows(grad_x, dim, piece.indices, ex.lo, g)
+    return grad_x
+
+
 class _HaloExchange(torch.autograd.Function):
     """Forward: assemble ``pieces`` along ``dim`` (own rows, neighbours' rows, fill rows).
     Backward: own rows' gradients stay, halo gradients go back to their owners and are added there."""
@@ -127,14 +139,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        ex, dim = ctx.ex, ctx.dim
-        grads = grad_out.contiguous().split([p.length for p in ex.pieces], dim)
-        halo_grads = {tag: g for tag, (p, g) in enumerate(zip(ex.pieces, grads)) if _is_remote(p, ex)}
-        grad_x = _return_halo_grads(ex, ctx.comm, dim, grad_out.new_zeros(ctx.shape), halo_grads)
-        for piece, g in zip(ex.pieces, grads):
-            if piece.owner == ex.part:
-                _add_rows(grad_x, dim, piece.indices, ex.lo, g)
-        return grad_x, None, None, None, None
+        return _slab_grad(ctx.ex, ctx.comm, ctx.dim, ctx.shape, grad_out.contiguous()), None, None, None, None
 
 
 def _pieces(x, ex: DimExchange, dim: int, fill: float, halos: dict) -> list[torch.Tensor]:
@@ -252,14 +257,7 @@ class _HaloConv(torch.autograd.Function):
             False, [0] * len(stride), groups, [need_x, need_w, ctx.has_bias and need_b],
         )
         del assembled
-        grad_x = None
-        if need_x:
-            grads = grad_in.split([p.length for p in ex.pieces], dim)
-            halo_grads = {tag: g for tag, (p, g) in enumerate(zip(ex.pieces, grads)) if _is_remote(p, ex)}
-            grad_x = _return_halo_grads(ex, ctx.comm, dim, grad_in.new_zeros(x.shape), halo_grads)
-            for piece, g in zip(ex.pieces, grads):
-                if piece.owner == ex.part:
-                    _add_rows(grad_x, dim, piece.indices, ex.lo, g)
+        grad_x = _slab_grad(ex, ctx.comm, dim, x.shape, grad_in) if need_x else None
         return grad_x, grad_w, grad_b if ctx.has_bias else None, None, None, None, None
 
 

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 
 from hybridpar.errors import UnsupportedModuleError
 from hybridpar.spatial import collectives
+from hybridpar.spatial.checks import PARTITIONED, REPLICATED
 from hybridpar.spatial.geometry import TransposedWindow, Window, plan_exchange, split_bounds
 from hybridpar.spatial.halo import PendingHalo, assemble, halo_conv, rows_of
 
-PARTITIONED = "partitioned"
-REPLICATED = "replicated"
 
 
 def _tuple(value, n: int) -> tuple:
