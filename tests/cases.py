@@ -26,9 +26,14 @@ def spatial_mesh(parts: int):
 
 
 def build(spec):
-    """``("Conv3d", {...})`` -> an ``nn`` layer; ``("model", name, {...})`` -> a test model."""
+    """``("Conv3d", {...})`` -> an ``nn`` layer; ``("model", name, {...})`` -> a test model;
+    ``("hybridpar", name, {...})`` -> a model of ``hybridpar.models``."""
     if spec[0] == "model":
         return getattr(models, spec[1])(**spec[2])
+    if spec[0] == "hybridpar":
+        from hybridpar.models import MODELS
+
+        return MODELS[spec[1]](**spec[2])
     return getattr(nn, spec[0])(**spec[1])
 
 

@@ -15,3 +15,11 @@ class GeometryError(HybridparError):
 
 class UnsupportedModuleError(HybridparError):
     """A module or function that hybridpar cannot make exact under spatial parallelism."""
+
+
+class DataError(HybridparError):
+    """A data file that is missing, malformed or truncated; names the file and the sample index."""
+
+
+class ConfigError(HybridparError):
+    """A training config with an unknown key or a bad value; names the key."""

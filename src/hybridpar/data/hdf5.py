@@ -1,0 +1,236 @@
+"""Slab-parallel HDF5 reading: each rank of a spatial group reads only its own slab of each sample
+with an HDF5 hyperslab selection, never the whole sample.
+
+A *sample* is one file, or one crop of a file when the volumes are tiled into cubes (as MLPerf cuts
+each 512^3 universe into 128^3 crops). Every file is checked when the dataset is built (datasets,
+shapes, dtypes, and that the data lies inside the file), identically on every rank and before any
+communication, so a bad file is an error naming it, never a hang halfway through an epoch.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from hybridpar.errors import DataError
+from hybridpar.spatial.geometry import Grid
+
+LAYOUTS = {"DHWC": "channels_last", "CDHW": "channels_first"}
+TRANSFORMS = ("log1p", "none")
+
+
+@dataclass(frozen=True)
+class SampleFormat:
+    """Which datasets of a file hold the volume and the target, and how the volume is stored.
+
+    ``target_kind`` is ``"vector"`` (a regression target such as CosmoFlow's ``unitPar``) or
+    ``"volume"`` (voxel labels with the volume's spatial shape, read slab by slab like the input).
+    ``layout`` is ``"channels_last"`` (D, H, W, C: the public CosmoFlow files), ``"channels_first"``
+    (C, D, H, W) or ``"auto"`` (the file's ``layout`` attribute, ``DHWC`` or ``CDHW``).
+    """
+
+    input: str
+    target: str
+    target_kind: str
+    layout: str = "auto"
+    transform: str = "none"
+
+
+COSMOFLOW = SampleFormat("full", "unitPar", "vector", "channels_last", "log1p")
+SEGMENTATION = SampleFormat("image", "label", "volume", "auto", "none")
+
+
+class CountingFile(io.FileIO):
+    """A file whose reads are counted: the bytes HDF5 actually asked the operating system for."""
+
+    def __init__(self, path):
+        super().__init__(path, "rb")
+        self.bytes_read = 0
+
+    def readinto(self, buffer) -> int:
+        count = super().readinto(buffer)
+        self.bytes_read += count or 0
+        return count
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: Path
+    layout: str  # channels_last or channels_first
+    channels: int
+    spatial: tuple[int, int, int]
+    target_shape: tuple[int, ...]
+
+
+def list_files(spec: str | os.PathLike, where: str) -> list[Path]:
+    """The ``.h5`` / ``.hdf5`` files of a directory, or the files a glob pattern matches, sorted."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".h5", ".hdf5"))
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(spec)))
+    if not files:
+        raise DataError(f"{where} = {str(spec)!r}: no HDF5 files there (a directory of .h5 files or a glob); "
+                        f"generate some with `hybridpar data synth-cosmoflow --out DIR ...`")
+    return files
+
+
+def _dataset(f: h5py.File, name: str, path: Path, index: int) -> h5py.Dataset:
+    if name not in f or not isinstance(f[name], h5py.Dataset):
+        raise DataError(f"{path} (sample file {index}): no dataset {name!r}; it has {sorted(f.keys())}. "
+                        f"Set the dataset name in the config's [data] table")
+    return f[name]
+
+
+def _check_inside(ds: h5py.Dataset, path: Path, index: int) -> None:
+    """Refuse a dataset whose stored bytes run past the end of the file (a truncated copy)."""
+    size = path.stat().st_size
+    if ds.chunks is None:
+        offset = ds.id.get_offset()
+        extents = [] if offset is None else [(offset, ds.id.get_storage_size())]
+    else:
+        extents = [(c.byte_offset, c.size) for c in map(ds.id.get_chunk_info, range(ds.id.get_num_chunks()))]
+    end = max((o + n for o, n in extents), default=0)
+    if end > size:
+        raise DataError(f"{path} (sample file {index}): truncated: dataset {ds.name!r} needs {end} bytes, "
+                        f"the file has {size}. Copy or generate the file again")
+
+
+def _layout(ds: h5py.Dataset, fmt: SampleFormat, path: Path, index: int) -> str:
+    if fmt.layout != "auto":
+        return fmt.layout
+    attr = ds.file.attrs.get("layout", ds.attrs.get("layout"))
+    attr = attr.decode() if isinstance(attr, bytes) else attr
+    if attr not in LAYOUTS:
+        raise DataError(f"{path} (sample file {index}): layout 'auto' needs a file attribute layout = "
+                        f"'DHWC' or 'CDHW' (found {attr!r}); set data.layout to channels_last or channels_first")
+    return LAYOUTS[attr]
+
+
+def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
+    """Open ``path`` and check it against ``fmt``; raises :class:`DataError` naming the file."""
+    try:
+        f = h5py.File(path, "r")
+    except FileNotFoundError:
+        raise DataError(f"{path} (sample file {index}): file not found") from None
+    except OSError as err:
+        raise DataError(f"{path} (sample file {index}): not a readable HDF5 file ({err})") from None
+    with f:
+        x = _dataset(f, fmt.input, path, index)
+        y = _dataset(f, fmt.target, path, index)
+        layout = _layout(x, fmt, path, index)
+        if x.ndim != 4 or x.dtype.kind not in "iuf":
+            raise DataError(f"{path} (sample file {index}): dataset {fmt.input!r} is {x.dtype} of shape {x.shape}; "
+                            f"expected numbers of shape (D, H, W, C) or (C, D, H, W)")
+        channels, spatial = (x.shape[3], x.shape[:3]) if layout == "channels_last" else (x.shape[0], x.shape[1:])
+        want_kind = "iu" if fmt.target_kind == "volume" else "iuf"
+        if y.dtype.kind not in want_kind or (fmt.target_kind == "volume" and y.shape != spatial):
+            raise DataError(f"{path} (sample file {index}): target {fmt.target!r} is {y.dtype} of shape {y.shape}; "
+                            f"expected " + (f"integer labels of shape {spatial}" if fmt.target_kind == "volume"
+                                            else "a vector of numbers"))
+        for ds in (x, y):
+            _check_inside(ds, path, index)
+        return FileInfo(path, layout, channels, tuple(spatial), tuple(y.shape))
+
+
+def _tiles(spatial: tuple[int, ...], crop: int | None) -> list[tuple[int, ...]]:
+    if crop is None:
+        return [(0,) * len(spatial)]
+    return list(itertools.product(*(range(0, n - crop + 1, crop) for n in spatial)))
+
+
+class SlabDataset:
+    """Samples (file, crop origin) of a set of HDF5 files, read slab by slab.
+
+    ``crop``: edge of the cubic crops the volumes are tiled into (``None``: whole volumes);
+    ``crops_per_file``: how many of each file's tiles to use (``None``: all, in row-major order).
+    ``skip_bad``: count and skip files that fail the checks instead of raising.
+    """
+
+    def __init__(self, paths: list[Path], fmt: SampleFormat, *, crop: int | None = None,
+                 crops_per_file: int | None = None, skip_bad: bool = False, dtype=torch.float32):
+        if fmt.transform not in TRANSFORMS:
+            raise DataError(f"transform {fmt.transform!r} is not one of {TRANSFORMS}")
+        self.fmt, self.crop, self.dtype = fmt, crop, dtype
+        self.infos: list[FileInfo] = []
+        self.skipped: list[tuple[Path, str]] = []
+        for index, path in enumerate(paths):
+            try:
+                self.infos.append(self._check(inspect_file(Path(path), fmt, index), index))
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                self.skipped.append((Path(path), str(err)))
+        if not self.infos:
+            raise DataError(f"none of the {len(paths)} files is usable; first problem: {self.skipped[0][1]}")
+        self.samples = [(i, origin) for i, info in enumerate(self.infos)
+                        for origin in _tiles(info.spatial, crop)[:crops_per_file]]
+        self._files: dict[int, tuple[CountingFile, h5py.File]] = {}
+
+    def _check(self, info: FileInfo, index: int) -> FileInfo:
+        first = self.infos[0] if self.infos else info
+        same = info.channels == first.channels and (
+            self.fmt.target_kind == "volume" or info.target_shape == first.target_shape)
+        if not same or (self.crop is None and info.spatial != first.spatial):
+            raise DataError(f"{info.path} (sample file {index}): {info.channels} channels, volume {info.spatial}, "
+                            f"target {info.target_shape}; the first file has {first.channels}, {first.spatial}, "
+                            f"{first.target_shape}. Every sample must have the same shape (set data.crop to tile "
+                            f"volumes of different sizes)")
+        if self.crop is not None and min(info.spatial) < self.crop:
+            raise DataError(f"{info.path} (sample file {index}): volume {info.spatial} is smaller than "
+                            f"data.crop = {self.crop}; use a crop of at most {min(info.spatial)}")
+        return info
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """``(C, D, H, W)`` of one sample (one crop)."""
+        info = self.infos[0]
+        return (info.channels,) + ((self.crop,) * 3 if self.crop else info.spatial)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(fileobj.bytes_read for fileobj, _ in self._files.values())
+
+    def _open(self, file_index: int) -> h5py.File:
+        if file_index not in self._files:
+            fileobj = CountingFile(self.infos[file_index].path)
+            self._files[file_index] = (fileobj, h5py.File(fileobj, "r"))
+        return self._files[file_index][1]
+
+    def read(self, index: int, grid: Grid, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This spatial rank's slab ``(C, d, h, w)`` of sample ``index`` and its target (the whole
+        vector, or the label slab ``(d, h, w)``)."""
+        file_index, origin = self.samples[index]
+        info = self.infos[file_index]
+        bounds = grid.slab(self.sample_shape[1:], rank)
+        box = tuple(slice(o + lo, o + hi) for o, (lo, hi) in zip(origin, bounds))
+        try:
+            f = self._open(file_index)
+            select = box + (slice(None),) if info.layout == "channels_last" else (slice(None),) + box
+            x = f[self.fmt.input][select]
+            y = f[self.fmt.target][box] if self.fmt.target_kind == "volume" else f[self.fmt.target][()]
+        except OSError as err:
+            raise DataError(f"{info.path} (sample {index}): reading slab {box} failed ({err})") from None
+        x = np.moveaxis(x, 3, 0) if info.layout == "channels_last" else x
+        x = torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)
+        x = torch.log1p(x) if self.fmt.transform == "log1p" else x
+        y = torch.from_numpy(np.asarray(y)).long() if self.fmt.target_kind == "volume" else \
+            torch.as_tensor(np.asarray(y), dtype=self.dtype)
+        return x, y
+
+    def close(self) -> None:
+        for fileobj, f in self._files.values():
+            f.close()
+            fileobj.close()
+        self._files.clear()

@@ -1,0 +1,66 @@
+"""Batches of this rank's slabs: the dp groups read disjoint samples (PyTorch's ``DistributedSampler``
+over the dp axis), the ranks of a spatial group read the slabs of the same samples, and a background
+thread reads the next batches while the current one trains."""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from hybridpar.data.hdf5 import SlabDataset
+from hybridpar.errors import ConfigError
+from hybridpar.spatial.geometry import Grid
+
+
+class SlabLoader:
+    """Training batches by step number: step ``s`` is batch ``s mod steps_per_epoch`` of epoch
+    ``s // steps_per_epoch``, so a resumed run reads exactly what the uninterrupted run would have."""
+
+    def __init__(self, dataset: SlabDataset, *, batch_size: int, dp: tuple[int, int], grid: Grid,
+                 spatial_rank: int, seed: int, shuffle: bool = True, prefetch: int = 2):
+        num_dp, dp_rank = dp
+        self.dataset, self.grid, self.spatial_rank, self.prefetch = dataset, grid, spatial_rank, prefetch
+        self.local_batch = batch_size // num_dp
+        self.sampler = DistributedSampler(dataset, num_replicas=num_dp, rank=dp_rank, shuffle=shuffle, seed=seed,
+                                          drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // self.local_batch
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"train.batch_size = {batch_size}: the training set has only {len(dataset)} samples; "
+                              f"use a batch of at most {len(dataset)} or more samples")
+        self._epoch, self._order = None, []
+
+    def _indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._epoch, self._order = epoch, list(self.sampler)
+        return self._order[k * self.local_batch:(k + 1) * self.local_batch]
+
+    def _read(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(self.dataset.read(i, self.grid, self.spatial_rank) for i in indices))
+        return torch.stack(xs), torch.stack(ys)
+
+    def batches(self, start: int, stop: int):
+        """Yield ``(step, x_slab, target)`` for ``start <= step < stop``, reading ahead in a thread."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridpar-read") as pool:
+            pending: deque = deque()
+            for step in range(start, stop):
+                while len(pending) <= self.prefetch and step + len(pending) < stop:
+                    pending.append(pool.submit(self._read, self._indices(step + len(pending))))
+                x, y = pending.popleft().result()
+                yield step, x, y
+
+
+def eval_batches(dataset: SlabDataset, *, batch_size: int, dp: tuple[int, int], grid: Grid, spatial_rank: int,
+                 limit: int = 0):
+    """Every sample (or the first ``limit``) once, dp rank ``r`` taking samples ``r, r + dp, ...``
+    (no padding, no repeats)."""
+    num_dp, dp_rank = dp
+    mine = list(range(dp_rank, min(len(dataset), limit or len(dataset)), num_dp))
+    local = max(1, batch_size // num_dp)
+    for start in range(0, len(mine), local):
+        xs, ys = zip(*(dataset.read(i, grid, spatial_rank) for i in mine[start:start + local]))
+        yield torch.stack(xs), torch.stack(ys)

@@ -1,0 +1,251 @@
+"""The training config: a TOML file read into frozen dataclasses. Unknown keys and values of the wrong
+type or out of range are refused with the key's full name (``optimizer.lr``) and what is allowed.
+Every key is documented in ``docs/config.md``."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridpar.errors import ConfigError
+
+MODEL_NAMES = ("cosmoflow", "unet3d")
+DATA_FORMATS = ("cosmoflow", "segmentation")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "cosmoflow"
+    options: dict = field(default_factory=dict)  # the other keys of [model]: the factory's arguments
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""
+    val: str = ""
+    format: str = "cosmoflow"
+    input: str = ""  # dataset names; "" takes the format's default (full / unitPar, image / label)
+    target: str = ""
+    layout: str = ""  # channels_last, channels_first or auto; "" takes the format's default
+    transform: str = ""  # log1p or none; "" takes the format's default
+    crop: int = 0  # 0: whole volumes
+    crops_per_file: int = 0  # 0: every crop
+    skip_bad: bool = False
+    prefetch: int = 2
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    dp: int = 1
+    spatial: tuple[int, ...] = (1, 1, 1)
+    data_parallel: str = "ddp"
+    batch_norm: str = "global"  # statistics over dp x spatial ("global") or over each spatial group
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    betas: tuple[float, ...] = (0.9, 0.999)  # adam / adamw only
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # cosine: the rate at the last step
+    decay_steps: tuple[int, ...] = ()  # step: multiply the rate by `factor` at each of these steps
+    factor: float = 0.1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 0
+    epochs: int = 0
+    batch_size: int = 8
+    dtype: str = "float32"
+    loss: str = ""  # "" takes the model's default: mse (cosmoflow), cross_entropy+dice (unet3d)
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    every: int = 0  # steps; 0: only at the end
+    batch_size: int = 0  # 0: the training batch size
+    max_samples: int = 0  # 0: the whole validation set
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps; 0: only at the end
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    jsonl: bool = True
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "data.format": DATA_FORMATS, "data.layout": ("", "channels_last", "channels_first", "auto"),
+    "data.transform": ("", "log1p", "none"), "mesh.data_parallel": ("ddp", "fsdp"),
+    "mesh.batch_norm": ("global", "spatial"), "optimizer.name": ("adam", "adamw", "sgd"),
+    "schedule.name": ("constant", "cosine", "step"), "train.dtype": ("float32", "float64", "bfloat16"),
+    "train.loss": ("", "mse", "cross_entropy", "dice", "cross_entropy+dice"), "model.name": MODEL_NAMES,
+}
+POSITIVE = {"mesh.dp", "train.batch_size", "checkpoint.keep", "train.log_every"}
+NON_NEGATIVE = {"data.crop", "data.crops_per_file", "data.prefetch", "train.steps", "train.epochs",
+                "schedule.warmup_steps", "validation.every", "validation.batch_size", "validation.max_samples",
+                "checkpoint.every", "optimizer.weight_decay", "schedule.min_lr"}
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, key: str):
+    """``value`` as type ``tp`` (bool, int, float, str, tuple[X, ...]), or a ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (item, _) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {_type_name(item)}, e.g. [2, 1, 1]")
+        return tuple(_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+    return value
+
+
+def _check_value(key: str, value) -> None:
+    if key in CHOICES and value not in CHOICES[key]:
+        allowed = ", ".join(repr(c) for c in CHOICES[key] if c != "")
+        raise ConfigError(f"{key} = {value!r}: use one of {allowed}")
+    if key in POSITIVE and value < 1:
+        raise ConfigError(f"{key} = {value!r}: must be at least 1")
+    if key in NON_NEGATIVE and value < 0:
+        raise ConfigError(f"{key} = {value!r}: must not be negative")
+
+
+def _section(cls, table: dict, prefix: str):
+    if not isinstance(table, dict):
+        raise ConfigError(f"{prefix} = {table!r}: expected a table [{prefix}]")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if cls is ModelConfig:
+        return ModelConfig(name=_section_value(table.get("name", "cosmoflow"), str, "model.name"),
+                           options={k: v for k, v in table.items() if k != "name"})
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {prefix + '.' if prefix else ''}{unknown[0]}; "
+                          f"{'[' + prefix + ']' if prefix else 'the top level'} takes {', '.join(sorted(names))}")
+    values = {}
+    for name, raw in table.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            values[name] = _section(tp, raw, key)
+        else:
+            values[name] = _section_value(raw, tp, key)
+    return cls(**values)
+
+
+def _section_value(raw, tp, key: str):
+    value = _convert(raw, tp, key)
+    _check_value(key, value)
+    return value
+
+
+def parse(table: dict) -> Config:
+    """A :class:`Config` from a parsed TOML table; raises :class:`ConfigError` naming the bad key."""
+    config = _section(Config, table, "")
+    _check_consistency(config)
+    return config
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    try:
+        return parse(table)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def _check_consistency(config: Config) -> None:
+    train = config.train
+    if (train.steps > 0) == (train.epochs > 0):
+        raise ConfigError("give exactly one of train.steps and train.epochs (a positive number)")
+    if train.batch_size % config.mesh.dp:
+        raise ConfigError(f"train.batch_size = {train.batch_size} is not divisible by mesh.dp = {config.mesh.dp}; "
+                          f"use a multiple of {config.mesh.dp}")
+    if len(config.mesh.spatial) != 3 or min(config.mesh.spatial) < 1:
+        raise ConfigError(f"mesh.spatial = {list(config.mesh.spatial)}: give 3 part counts >= 1 (D, H, W), "
+                          f"e.g. [2, 1, 1]")
+    if not config.data.train:
+        raise ConfigError("data.train is missing: a directory of HDF5 files or a glob")
+    _check_model_options(config.model)
+
+
+def model_factory(name: str):
+    from hybridpar.models import MODELS
+
+    return MODELS[name]
+
+
+DERIVED = {"size", "in_channels", "num_outputs"}  # set by the trainer from the data
+
+
+def _check_model_options(model: ModelConfig) -> None:
+    params = inspect.signature(model_factory(model.name)).parameters
+    for key, value in model.options.items():
+        if key in DERIVED:
+            raise ConfigError(f"model.{key} is set from the data (the sample's shape and target); remove it")
+        if key not in params:
+            allowed = ", ".join(sorted(set(params) - DERIVED))
+            raise ConfigError(f"unknown key model.{key} for model {model.name!r}; it takes {allowed}")
+        default = params[key].default
+        tp = type(default) if default is not inspect.Parameter.empty and default is not None else None
+        if tp is tuple:
+            _convert(value, tuple[int, ...], f"model.{key}")
+        elif tp is not None:
+            _convert(value, tp, f"model.{key}")
+
+
+def model_options(model: ModelConfig) -> dict:
+    """The factory's keyword arguments, lists of the config turned into tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in model.options.items()}

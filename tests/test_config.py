@@ -1,0 +1,76 @@
+"""The training config: every bad key or value is refused with the key's name."""
+
+import pytest
+
+from hybridpar.errors import ConfigError
+from hybridpar.train import config as cfg
+
+BASE = {"data": {"train": "data/train"}, "train": {"steps": 2}}
+
+
+def table(**sections):
+    out = {k: dict(v) for k, v in BASE.items()}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            out.setdefault(key, {}).update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def test_defaults_and_values():
+    c = cfg.parse(table(mesh={"dp": 2, "spatial": [2, 1, 1]}, optimizer={"lr": 1}, model={"dropout": 0.5}))
+    assert c.mesh.spatial == (2, 1, 1) and c.optimizer.lr == 1.0 and isinstance(c.optimizer.lr, float)
+    assert c.model.name == "cosmoflow" and c.model.options == {"dropout": 0.5}
+    assert c.train.batch_size == 8 and c.checkpoint.keep == 2
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"bogus": 1}, "unknown key bogus"),
+    ({"train": {"stpes": 3}}, "unknown key train.stpes"),
+    ({"optimizer": {"lr": "fast"}}, "optimizer.lr = 'fast': expected float"),
+    ({"train": {"batch_size": 2.5}}, "train.batch_size = 2.5: expected int"),
+    ({"train": {"batch_size": True}}, "train.batch_size = True: expected int"),
+    ({"mesh": {"spatial": [2, "x", 1]}}, r"mesh.spatial\[1\]"),
+    ({"mesh": {"spatial": 2}}, "mesh.spatial = 2: expected a list"),
+    ({"mesh": {"spatial": [2, 1]}}, "give 3 part counts"),
+    ({"optimizer": {"name": "lion"}}, "optimizer.name = 'lion': use one of 'adam', 'adamw', 'sgd'"),
+    ({"data": {"crop": -1}}, "data.crop = -1: must not be negative"),
+    ({"mesh": {"dp": 0}}, "mesh.dp = 0: must be at least 1"),
+    ({"train": {"epochs": 1}}, "exactly one of train.steps and train.epochs"),
+    ({"mesh": {"dp": 3}}, "train.batch_size = 8 is not divisible by mesh.dp = 3"),
+    ({"data": "x"}, "data = 'x': expected a table"),
+    ({"model": {"name": "resnet"}}, "model.name = 'resnet': use one of 'cosmoflow', 'unet3d'"),
+    ({"model": {"widht": 3}}, "unknown key model.widht for model 'cosmoflow'"),
+    ({"model": {"size": 64}}, "model.size is set from the data"),
+    ({"model": {"dropout": "high"}}, "model.dropout = 'high': expected float"),
+    ({"model": {"name": "unet3d", "depth": 2.0}}, "model.depth = 2.0: expected int"),
+])
+def test_bad_keys_and_values(sections, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg.parse(table(**sections))
+
+
+def test_missing_train_data():
+    with pytest.raises(ConfigError, match="data.train is missing"):
+        cfg.parse({"train": {"steps": 1}})
+
+
+def test_load_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        cfg.load(tmp_path / "none.toml")
+    (tmp_path / "bad.toml").write_text("[train\nsteps = 1")
+    with pytest.raises(ConfigError, match="bad.toml: not valid TOML"):
+        cfg.load(tmp_path / "bad.toml")
+    (tmp_path / "typo.toml").write_text('[data]\ntrain = "x"\n[train]\nsteps = 1\nbatch = 4\n')
+    with pytest.raises(ConfigError, match="typo.toml: unknown key train.batch"):
+        cfg.load(tmp_path / "typo.toml")
+
+
+def test_shipped_configs_parse():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        cfg.load(path)

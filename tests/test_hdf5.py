@@ -1,0 +1,200 @@
+"""Slab-parallel HDF5 reading: slabs equal the slices of a full read (even and uneven grids, crops,
+both layouts), bytes read are the slab's share, and every kind of bad file is a clear error."""
+
+import itertools
+import math
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches
+from hybridpar.errors import DataError
+from hybridpar.spatial.geometry import Grid
+
+RAW = SampleFormat("full", "unitPar", "vector", "channels_last", "none")
+
+
+def write_cosmo(path, volume_DHWC, params=(0.1, -0.2, 0.3, 0.4), layout="DHWC", chunks=None):
+    data = volume_DHWC if layout == "DHWC" else np.moveaxis(volume_DHWC, 3, 0)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("full", data=data, chunks=chunks)
+        f["unitPar"] = np.asarray(params, np.float32)
+        f.attrs["layout"] = layout
+    return path
+
+
+def volume(shape_DHWC, seed=0):
+    return np.random.default_rng(seed).integers(0, 50, shape_DHWC).astype(np.int16)
+
+
+def full_read(vol_DHWC, origin, crop):
+    box = tuple(slice(o, o + crop) for o in origin)
+    return torch.from_numpy(np.moveaxis(vol_DHWC[box], 3, 0).astype(np.float32))
+
+
+GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (3, 1, 1), (1, 3, 2), (2, 2, 2)]
+
+
+@pytest.mark.parametrize("layout", ["DHWC", "CDHW"])
+@pytest.mark.parametrize("grid", GRIDS)
+def test_slabs_equal_slices_of_full_read(tmp_path, layout, grid):
+    vol = volume((10, 9, 7, 4))
+    path = write_cosmo(tmp_path / "a.h5", vol, layout=layout)
+    ds = SlabDataset([path], SampleFormat("full", "unitPar", "vector", "auto", "none"))
+    whole = full_read(vol, (0, 0, 0), 10)[:, :, :9, :7]
+    g = Grid(grid)
+    for rank in range(g.size):
+        x, y = ds.read(0, g, rank)
+        box = tuple(slice(lo, hi) for lo, hi in g.slab((10, 9, 7), rank))
+        torch.testing.assert_close(x, whole[(slice(None),) + box], rtol=0, atol=0)
+        torch.testing.assert_close(y, torch.tensor([0.1, -0.2, 0.3, 0.4]))
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 1), (2, 1, 1), (3, 2, 1), (2, 2, 2)])
+def test_crops_tile_the_universe(tmp_path, grid):
+    vol = volume((12, 12, 12, 4), seed=1)
+    path = write_cosmo(tmp_path / "u.h5", vol)
+    ds = SlabDataset([path], COSMOFLOW, crop=6)
+    assert len(ds) == 8 and ds.sample_shape == (4, 6, 6, 6)
+    g = Grid(grid)
+    for index, origin in enumerate(itertools.product((0, 6), repeat=3)):
+        want = torch.log1p(full_read(vol, origin, 6))
+        for rank in range(g.size):
+            box = tuple(slice(lo, hi) for lo, hi in g.slab((6, 6, 6), rank))
+            torch.testing.assert_close(ds.read(index, g, rank)[0], want[(slice(None),) + box])
+
+
+def test_crops_per_file_and_chunked_files(tmp_path):
+    vol = volume((8, 8, 8, 4))
+    paths = [write_cosmo(tmp_path / f"{i}.h5", vol, chunks=(4, 4, 4, 4)) for i in range(3)]
+    ds = SlabDataset(paths, RAW, crop=4, crops_per_file=2)
+    assert len(ds) == 6
+    assert [origin for _, origin in ds.samples[:2]] == [(0, 0, 0), (0, 0, 4)]
+    torch.testing.assert_close(ds.read(1, Grid((1, 1, 1)), 0)[0], full_read(vol, (0, 0, 4), 4))
+
+
+@pytest.mark.parametrize("grid", [(2, 1, 1), (1, 2, 1), (1, 1, 4), (2, 2, 1)])
+def test_bytes_read_are_the_slab_share(tmp_path, grid):
+    vol = volume((16, 16, 16, 4))
+    path = write_cosmo(tmp_path / "a.h5", vol)
+    g = Grid(grid)
+    sample_bytes = vol.nbytes
+    metadata = _bytes_after_open(path)
+    for rank in range(g.size):
+        ds = SlabDataset([path], RAW)
+        ds.read(0, g, rank)
+        share = math.prod(hi - lo for lo, hi in g.slab((16, 16, 16), rank)) * 4 * 2
+        assert share == sample_bytes // g.size
+        target = 4 * 4  # the unitPar vector
+        assert ds.bytes_read - metadata - target == share, f"rank {rank} read more than its slab"
+        ds.close()
+
+
+def _bytes_after_open(path) -> int:
+    """What opening the file reads (superblock, object headers): the reader's only overhead."""
+    from hybridpar.data.hdf5 import CountingFile
+
+    with CountingFile(path) as fileobj, h5py.File(fileobj, "r") as f:
+        f["full"].id, f["unitPar"].id
+        return fileobj.bytes_read
+
+
+def test_segmentation_labels_are_sliced_with_the_volume(tmp_path):
+    rng = np.random.default_rng(0)
+    image, label = rng.normal(size=(1, 8, 6, 6)).astype(np.float32), rng.integers(0, 3, (8, 6, 6)).astype(np.uint8)
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        f["image"], f["label"] = image, label
+        f.attrs["layout"] = "CDHW"
+    ds = SlabDataset([tmp_path / "s.h5"], SEGMENTATION)
+    g = Grid((2, 1, 2))
+    for rank in range(4):
+        (d0, d1), (h0, h1), (w0, w1) = g.slab((8, 6, 6), rank)
+        x, y = ds.read(0, g, rank)
+        torch.testing.assert_close(x, torch.from_numpy(image[:, d0:d1, h0:h1, w0:w1]))
+        assert y.dtype == torch.long and torch.equal(y, torch.from_numpy(label[d0:d1, h0:h1, w0:w1]).long())
+
+
+def _bad_files(tmp_path):
+    good = write_cosmo(tmp_path / "good.h5", volume((8, 8, 8, 4)))
+    with h5py.File(tmp_path / "name.h5", "w") as f:
+        f["volume"] = volume((8, 8, 8, 4))
+        f["unitPar"] = np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "shape.h5", "w") as f:
+        f["full"], f["unitPar"] = volume((8, 8, 8, 4))[..., 0], np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "dtype.h5", "w") as f:
+        f["full"], f["unitPar"] = np.zeros((8, 8, 8, 4), dtype="S1"), np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["full"], f["unitPar"] = volume((8, 8, 8, 3)), np.zeros(4, np.float32)
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size - 1000])
+    (tmp_path / "garbage.h5").write_bytes(b"not hdf5 at all" * 100)
+    return {
+        "missing": (tmp_path / "missing.h5", "file not found"),
+        "name": (tmp_path / "name.h5", "no dataset 'full'"),
+        "shape": (tmp_path / "shape.h5", "expected numbers of shape"),
+        "dtype": (tmp_path / "dtype.h5", "expected numbers of shape"),
+        "channels": (tmp_path / "other.h5", "the first file has 4"),
+        "truncated": (truncated, "truncated"),
+        "garbage": (tmp_path / "garbage.h5", "not a readable HDF5 file"),
+    }, good
+
+
+@pytest.mark.parametrize("kind", ["missing", "name", "shape", "dtype", "channels", "truncated", "garbage"])
+def test_bad_files_name_the_file_and_sample(tmp_path, kind):
+    bad, good = _bad_files(tmp_path)
+    path, message = bad[kind]
+    with pytest.raises(DataError, match=message) as err:
+        SlabDataset([good, path], RAW)
+    assert str(path) in str(err.value) and "sample file 1" in str(err.value)
+
+
+def test_skip_bad_counts_and_skips(tmp_path):
+    bad, good = _bad_files(tmp_path)
+    ds = SlabDataset([good] + [p for p, _ in bad.values()] + [good], RAW, skip_bad=True)
+    assert len(ds) == 2 and len(ds.skipped) == len(bad)
+    assert {p for p, _ in ds.skipped} == {p for p, _ in bad.values()}
+
+
+def test_crop_larger_than_volume(tmp_path):
+    path = write_cosmo(tmp_path / "a.h5", volume((8, 8, 8, 4)))
+    with pytest.raises(DataError, match="data.crop = 16"):
+        SlabDataset([path], RAW, crop=16)
+
+
+def _dataset(tmp_path, n):
+    paths = [write_cosmo(tmp_path / f"{i:02d}.h5", volume((4, 4, 4, 4), seed=i), params=(i, 0, 0, 0))
+             for i in range(n)]
+    return SlabDataset(paths, RAW)
+
+
+def _batch_ids(loader, start, stop):
+    return [sorted(int(v) for v in y[:, 0]) for _, _, y in loader.batches(start, stop)]
+
+
+def test_dp_groups_read_disjoint_samples_forming_the_global_batch(tmp_path):
+    ds = _dataset(tmp_path, 13)
+    grid = Grid((1, 1, 1))
+    one = SlabLoader(ds, batch_size=4, dp=(1, 0), grid=grid, spatial_rank=0, seed=3)
+    parts = [SlabLoader(ds, batch_size=4, dp=(2, r), grid=grid, spatial_rank=0, seed=3) for r in range(2)]
+    assert one.steps_per_epoch == 3 and parts[0].steps_per_epoch == 3
+    for a, b, want in zip(_batch_ids(parts[0], 0, 6), _batch_ids(parts[1], 0, 6), _batch_ids(one, 0, 6)):
+        assert len(a) == len(b) == 2 and not set(a) & set(b)
+        assert sorted(a + b) == want
+
+
+def test_loader_resumes_mid_epoch_with_the_same_batches(tmp_path):
+    ds = _dataset(tmp_path, 10)
+    loader = SlabLoader(ds, batch_size=2, dp=(1, 0), grid=Grid((1, 1, 1)), spatial_rank=0, seed=0, prefetch=3)
+    full = [y[:, 0].tolist() for _, _, y in loader.batches(0, 12)]
+    again = SlabLoader(ds, batch_size=2, dp=(1, 0), grid=Grid((1, 1, 1)), spatial_rank=0, seed=0)
+    assert [y[:, 0].tolist() for _, _, y in again.batches(7, 12)] == full[7:]
+    assert full[:5] != full[5:10], "epochs are shuffled differently"
+
+
+def test_eval_batches_cover_every_sample_once(tmp_path):
+    ds = _dataset(tmp_path, 7)
+    seen = [int(v) for r in range(3) for _, y in eval_batches(ds, batch_size=3, dp=(3, r), grid=Grid((1, 1, 1)),
+                                                               spatial_rank=0) for v in y[:, 0]]
+    assert sorted(seen) == list(range(7))
