@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from rich.console import Console
@@ -30,6 +31,25 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=int, default=16, help="edge of the cubic sample (default 16)")
     demo.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    train = sub.add_parser("train", help="train a model from a TOML config (under torchrun, or on local workers)")
+    train.add_argument("config", help="the TOML config (keys: docs/config.md)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="local workers to start (default: mesh.dp x prod(mesh.spatial)); ignored under torchrun")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
+    train.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
+                       help="stop (with a checkpoint) once this many steps are done, e.g. before a job's time limit")
+    data = sub.add_parser("data", help="synthetic datasets").add_subparsers(dest="data_command", required=True)
+    cosmo = data.add_parser("synth-cosmoflow", help="lognormal universes in the CosmoFlow HDF5 layout")
+    seg = data.add_parser("synth-segmentation", help="volumes of labelled objects in noise, for the 3D U-Net")
+    for p in (cosmo, seg):
+        p.add_argument("--out", required=True, help="directory to write the HDF5 files to")
+        p.add_argument("--num-samples", type=int, required=True, help="number of files")
+        p.add_argument("--size", type=int, required=True, help="edge of the cubic volume")
+        p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        p.add_argument("--overwrite", action="store_true", help="replace files of the same names")
+    cosmo.add_argument("--channels-first", action="store_true", help="store (4, S, S, S) instead of (S, S, S, 4)")
+    seg.add_argument("--num-classes", type=int, default=3, help="classes including background (default 3)")
+    seg.add_argument("--channels-last", action="store_true", help="store (S, S, S, 1) instead of (1, S, S, S)")
     return parser
 
 
@@ -57,13 +77,73 @@ def _demo(args, console: Console) -> int:
     return 0
 
 
+def _train(args, console: Console) -> int:
+    import os
+
+    from hybridpar.launch import launch_local
+    from hybridpar.train import load
+    from hybridpar.train.loop import check, prepare_run_dir, worker
+    from hybridpar.train.progress import format_metrics
+
+    config = load(args.config)
+    if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # under torchrun
+        result = worker(config, args.resume, args.stop_after)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 2 if "error" in result else 0
+    else:
+        world = config.mesh.dp * math.prod(config.mesh.spatial)
+        nproc = args.nproc or world
+        if nproc != world:
+            raise HybridparError(f"--nproc {nproc} does not match mesh.dp x prod(mesh.spatial) = {world} in "
+                                 f"{args.config}; use --nproc {world} or change [mesh]")
+        prepare_run_dir(config, args.resume)
+        for dataset in check(config)[:2]:
+            if dataset is not None:
+                dataset.close()
+        result = launch_local(worker, (config, args.resume, args.stop_after), nproc)[0]
+    if "error" in result:
+        raise HybridparError(result["error"])
+    done = result["steps"]
+    if done < result["total_steps"]:
+        console.print(f"stopped after step {done} of {result['total_steps']}; continue with --resume")
+    if result["val"]:
+        console.print(f"final validation: {format_metrics(result['val'])}", highlight=False)
+    mib = [b / 2**20 for b in result["bytes_read_per_rank"]]
+    console.print(f"trained steps {result['start_step']}..{done} in {result['time_s']:.1f} s; read per rank "
+                  f"{', '.join(f'{m:.1f}' for m in mib)} MiB; outputs in {config.run_dir}", highlight=False)
+    return 0
+
+
+def _data(args, console: Console) -> int:
+    from rich.progress import Progress
+
+    from hybridpar.data import synth
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(args.data_command, total=args.num_samples)
+
+        def on_sample(_):
+            progress.advance(task)
+
+        if args.data_command == "synth-cosmoflow":
+            files = synth.synth_cosmoflow(args.out, args.num_samples, args.size, seed=args.seed,
+                                          channels_last=not args.channels_first, overwrite=args.overwrite,
+                                          on_sample=on_sample)
+        else:
+            files = synth.synth_segmentation(args.out, args.num_samples, args.size, num_classes=args.num_classes,
+                                             seed=args.seed, channels_last=args.channels_last,
+                                             overwrite=args.overwrite, on_sample=on_sample)
+    console.print(f"wrote {len(files)} files of {args.size}^3 to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     try:
-        return {"demo": _demo}[args.command](args, console)
+        return {"demo": _demo, "train": _train, "data": _data}[args.command](args, console)
     except HybridparError as err:
-        Console(stderr=True).print(f"[red]error[/]: {err}", highlight=False)
+        Console(stderr=True).print(f"[red]error[/]: {err}", highlight=False, soft_wrap=True)
         return 2
 
 

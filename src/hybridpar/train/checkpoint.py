@@ -1,0 +1,65 @@
+"""Checkpoints with ``torch.distributed.checkpoint``: every rank writes its part in parallel.
+
+A checkpoint is first written to ``step_XXXXXXXX.partial`` and renamed to ``step_XXXXXXXX`` by rank 0
+only once every rank has finished (DCP writes its ``.metadata`` last), so a crash mid-save leaves the
+previous checkpoint intact and the half-written one is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints in ``directory``, oldest first, as ``(step, path)``."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _NAME.match(path.name)
+        if match and (path / ".metadata").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _state(model, optimizer, step: int) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "progress": {"step": torch.tensor(step)}}
+
+
+def save(directory: Path, step: int, model, optimizer, *, keep: int) -> Path:
+    """Write the checkpoint of ``step`` (collective over all ranks); keep the newest ``keep``."""
+    final = directory / f"step_{step:08d}"
+    partial = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dcp.save(_state(model, optimizer, step), checkpoint_id=partial)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        for _, old in checkpoints(directory)[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load(path: Path, model, optimizer) -> int:
+    """Load a checkpoint into ``model`` and ``optimizer`` (collective); returns its step."""
+    state = _state(model, optimizer, 0)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["progress"]["step"])

@@ -1,0 +1,300 @@
+"""The training loop of ``hybridpar train``: one call per rank, inside an initialised process group.
+
+Order of work: check the config, the data files and the geometry on every rank (identically, before
+any communication); build the model from the seed (the same weights on every rank); convert it for
+spatial parallelism and wrap it for data parallelism over ``dp x spatial``; then train. Step ``s``
+(0-based) reseeds the random generators from ``(seed, s, rank)`` and reads batch ``s`` of the
+deterministic sampler, so a run resumed from a checkpoint repeats the uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridpar import spatial
+from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
+from hybridpar.errors import ConfigError
+from hybridpar.mesh import ParallelDims, build_mesh
+from hybridpar.parallel.data import data_parallel, flat_group
+from hybridpar.spatial.geometry import Grid
+from hybridpar.train import checkpoint
+from hybridpar.train.config import Config, model_factory, model_options
+from hybridpar.train.metrics import MetricsLog
+from hybridpar.train.optim import build_optimizer, learning_rate, set_learning_rate
+from hybridpar.train.progress import Progress
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DEFAULT_LOSS = {"cosmoflow": "mse", "unet3d": "cross_entropy+dice"}
+LOSSES = {"cosmoflow": ("mse",), "unet3d": ("cross_entropy", "dice", "cross_entropy+dice")}
+
+
+def sample_format(cfg) -> SampleFormat:
+    base = COSMOFLOW if cfg.format == "cosmoflow" else SEGMENTATION
+    return SampleFormat(cfg.input or base.input, cfg.target or base.target, base.target_kind,
+                        cfg.layout or base.layout, cfg.transform or base.transform)
+
+
+def datasets(config: Config, dtype) -> tuple[SlabDataset, SlabDataset | None]:
+    data, fmt = config.data, sample_format(config.data)
+    kwargs = dict(crop=data.crop or None, crops_per_file=data.crops_per_file or None, skip_bad=data.skip_bad,
+                  dtype=dtype)
+    train = SlabDataset(list_files(data.train, "data.train"), fmt, **kwargs)
+    val = SlabDataset(list_files(data.val, "data.val"), fmt, **kwargs) if data.val else None
+    if val is not None and val.sample_shape != train.sample_shape:
+        raise ConfigError(f"data.val samples are {val.sample_shape} but data.train samples are "
+                          f"{train.sample_shape}; use volumes (or crops) of one shape")
+    return train, val
+
+
+def build_model(config: Config, train: SlabDataset) -> torch.nn.Module:
+    """The model for ``train``'s samples, initialised from ``config.seed``."""
+    channels, *volume = train.sample_shape
+    options = model_options(config.model)
+    if config.model.name == "cosmoflow":
+        if len(set(volume)) != 1:
+            raise ConfigError(f"cosmoflow needs cubic samples; the data has {tuple(volume)} (set data.crop)")
+        options.update(size=volume[0], in_channels=channels, num_outputs=train.infos[0].target_shape[0])
+    else:
+        options.update(in_channels=channels)
+    torch.manual_seed(config.seed)
+    model = model_factory(config.model.name)(**options)
+    if hasattr(model, "check_input_size"):
+        for edge in volume:
+            model.check_input_size(edge)
+    return model
+
+
+def _check_loss(config: Config, loss: str) -> None:
+    if loss not in LOSSES[config.model.name]:
+        raise ConfigError(f"train.loss = {loss!r} does not suit model {config.model.name!r}; "
+                          f"use one of {', '.join(LOSSES[config.model.name])}")
+    if (config.model.name == "cosmoflow") != (config.data.format == "cosmoflow"):
+        raise ConfigError(f"model.name = {config.model.name!r} with data.format = {config.data.format!r}: "
+                          f"use cosmoflow data for cosmoflow and segmentation data for unet3d")
+
+
+@dataclass
+class Run:
+    """Everything one rank needs to train: the parallel model and where its data and outputs go."""
+
+    config: Config
+    dims: ParallelDims
+    mesh: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_set: SlabDataset
+    val_set: SlabDataset | None
+    loader: SlabLoader
+    total_steps: int
+    loss_name: str
+    device: torch.device
+
+    @property
+    def spatial_mesh(self):
+        return self.mesh["spatial"]
+
+    @property
+    def dp(self) -> tuple[int, int]:
+        return self.dims.dp, self.mesh["dp"].get_local_rank()
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(self.dims.spatial)
+
+
+def check(config: Config) -> tuple[SlabDataset, SlabDataset | None, str]:
+    """The checks that need no process group: data files, the split of the samples, the loss, the model
+    (built on the meta device). ``hybridpar train`` runs them before starting workers, and every worker
+    runs them again before any communication."""
+    train_set, val_set = datasets(config, DTYPES[config.train.dtype])
+    Grid(config.mesh.spatial).check_shape(train_set.sample_shape[1:], "mesh.spatial")
+    loss_name = config.train.loss or DEFAULT_LOSS[config.model.name]
+    _check_loss(config, loss_name)
+    with torch.device("meta"):
+        build_model(config, train_set)
+    return train_set, val_set, loss_name
+
+
+def setup(config: Config) -> Run:
+    """Check everything, then build the mesh, the parallel model, its optimizer and the data loader."""
+    dims = ParallelDims(dp=config.mesh.dp, spatial=config.mesh.spatial)
+    dims.check_world_size(dist.get_world_size())
+    dtype = DTYPES[config.train.dtype]
+    train_set, val_set, loss_name = check(config)
+    model = build_model(config, train_set).to(dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh = build_mesh(dims, dist.get_world_size(), device.type)
+    bn_mesh = mesh["dp", "spatial"] if config.mesh.batch_norm == "global" else None
+    model = spatial.parallelize(model.to(device), mesh["spatial"], grid=dims.spatial, batch_norm_mesh=bn_mesh)
+    model = data_parallel(model, mesh, kind=config.mesh.data_parallel)
+    optimizer = build_optimizer(model.parameters(), config.optimizer)
+    loader = SlabLoader(train_set, batch_size=config.train.batch_size, dp=(dims.dp, mesh["dp"].get_local_rank()),
+                        grid=Grid(dims.spatial), spatial_rank=mesh["spatial"].get_local_rank(), seed=config.seed,
+                        prefetch=config.data.prefetch)
+    total = config.train.steps or config.train.epochs * loader.steps_per_epoch
+    return Run(config, dims, mesh, model, optimizer, train_set, val_set, loader, total, loss_name, device)
+
+
+def loss_fn(run: Run, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss of this dp group's batch, the same value on every rank of the spatial group."""
+    if run.loss_name == "mse":
+        return F.mse_loss(output, target)  # the head's output is replicated on the spatial group
+    loss = 0
+    if "cross_entropy" in run.loss_name:
+        loss = loss + spatial.cross_entropy(output, target, run.spatial_mesh)
+    if "dice" in run.loss_name:
+        loss = loss + spatial.dice_loss(output, target, run.spatial_mesh)
+    return loss
+
+
+def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
+    value = value.detach().clone().double()
+    dist.all_reduce(value, group=run.mesh["dp"].get_group())
+    return float(value) / run.dims.dp
+
+
+def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One optimizer step; returns the global batch's loss and the learning rate."""
+    cfg = run.config
+    lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
+    set_learning_rate(run.optimizer, lr)
+    torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + dist.get_rank())  # dropout masks of this step
+    run.model.train()
+    loss = loss_fn(run, run.model(x.to(run.device)), y.to(run.device))
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    run.optimizer.step()
+    return _mean_over_dp(run, loss), lr
+
+
+@torch.no_grad()
+def validate(run: Run) -> dict:
+    """Validation metrics over the whole validation set: MAE (and MSE) of the regressed parameters for
+    CosmoFlow; the Dice score of each foreground class (and their mean) for the U-Net."""
+    run.model.eval()
+    batch = run.config.validation.batch_size or run.config.train.batch_size
+    limit = run.config.validation.max_samples
+    sums = None
+    for x, y in eval_batches(run.val_set, batch_size=batch, dp=run.dp, grid=run.grid,
+                             spatial_rank=run.spatial_mesh.get_local_rank(), limit=limit):
+        out = run.model(x.to(run.device)).double()
+        part = _regression_sums(out, y.to(run.device)) if run.loss_name == "mse" else _dice_sums(out, y.to(run.device))
+        sums = part if sums is None else sums + part
+    if sums is None:  # this dp rank had no samples (fewer samples than dp groups)
+        sums = torch.zeros(_num_sums(run), dtype=torch.float64, device=run.device)
+    if run.loss_name == "mse":
+        dist.all_reduce(sums, group=run.mesh["dp"].get_group())
+        return {"mae": float(sums[0] / sums[2]), "mse": float(sums[1] / sums[2]), "samples": int(sums[3])}
+    dist.all_reduce(sums, group=flat_group(run.mesh, ("dp", "spatial")))
+    inter, pred, true = sums.view(3, -1)[:, 1:]  # foreground classes only
+    dice = (2 * inter / (pred + true).clamp_min(1)).tolist()
+    return {"dice": sum(dice) / len(dice), **{f"dice_{c + 1}": d for c, d in enumerate(dice)}}
+
+
+def _num_sums(run: Run) -> int:
+    if run.loss_name == "mse":
+        return 4
+    return 3 * inspect.signature(model_factory("unet3d")).parameters["num_classes"].default \
+        if "num_classes" not in run.config.model.options else 3 * run.config.model.options["num_classes"]
+
+
+def _regression_sums(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    err = out - y.double()
+    return torch.stack([err.abs().sum(), (err ** 2).sum(), err.new_tensor(err.numel()), err.new_tensor(len(err))])
+
+
+def _dice_sums(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per class: voxels in both prediction and truth, predicted voxels, true voxels (of this slab)."""
+    classes = logits.shape[1]
+    pred = F.one_hot(logits.argmax(1), classes).flatten(0, -2).double()
+    true = F.one_hot(y, classes).flatten(0, -2).double()
+    return torch.cat([(pred * true).sum(0), pred.sum(0), true.sum(0)])
+
+
+def prepare_run_dir(config: Config, resume: bool) -> Path | None:
+    """The checkpoint to resume from (``None`` for a fresh run); refuses to overwrite a previous run."""
+    run_dir = Path(config.run_dir)
+    found = checkpoint.checkpoints(run_dir / "checkpoints")
+    if resume:
+        if not found:
+            raise ConfigError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'}; "
+                              f"start without --resume")
+        return found[-1][1]
+    if found or (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run_dir = {str(run_dir)!r} holds an earlier run; pass --resume to continue it, "
+                          f"or set another run_dir (nothing was overwritten)")
+    return None
+
+
+def train(config: Config, *, resume: bool = False, stop_after: int | None = None, show: bool = True) -> dict:
+    """Train on this rank; returns the run's summary (on every rank)."""
+    resume_from = prepare_run_dir(config, resume)
+    dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
+    run = setup(config)
+    start = checkpoint.load(resume_from, run.model, run.optimizer) if resume_from else 0
+    stop = min(run.total_steps, stop_after or run.total_steps)
+    is_root = dist.get_rank() == 0
+    run_dir = Path(config.run_dir)
+    if is_root:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root,
+                     tensorboard=config.metrics.tensorboard and is_root, resume_step=start if resume_from else None)
+    progress = Progress(run, start, stop, show=show and is_root)
+    summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None}
+    begin = time.perf_counter()
+    with progress:
+        for step, x, y in run.loader.batches(start, stop):
+            loss, lr = train_step(run, step, x, y)
+            done = step + 1
+            record = {"step": done, "split": "train", "loss": loss, "lr": lr,
+                      "bytes_read": run.train_set.bytes_read}
+            log.log(record)
+            progress.advance(record)
+            summary["loss"] = loss
+            if run.val_set is not None and _due(done, config.validation.every, stop, run.total_steps):
+                summary["val"] = validate(run)
+                log.log({"step": done, "split": "val", **summary["val"]})
+                progress.validated(done, summary["val"])
+            if _due(done, config.checkpoint.every, stop, run.total_steps):
+                summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.model,
+                                                            run.optimizer, keep=config.checkpoint.keep))
+    summary["time_s"] = time.perf_counter() - begin
+    summary["bytes_read_per_rank"] = _gather(run.train_set.bytes_read)
+    log.close()
+    run.train_set.close()
+    if run.val_set is not None:
+        run.val_set.close()
+    return summary
+
+
+def _due(done: int, every: int, stop: int, total: int) -> bool:
+    return (every > 0 and done % every == 0) or done == stop or done == total
+
+
+def _gather(value: int) -> list[int]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def worker(config: Config, resume: bool, stop_after: int | None) -> dict:
+    """One worker started by ``torchrun`` or the elastic agent: join the group, train, leave. A user
+    error is returned (raised identically on every rank before any communication), not thrown, so
+    the command can print it in one line."""
+    from hybridpar.errors import HybridparError
+    from hybridpar.launch import init_distributed, shutdown_distributed
+
+    init_distributed()
+    try:
+        result = train(config, resume=resume, stop_after=stop_after)
+    except HybridparError as err:
+        result = {"error": str(err)}
+    shutdown_distributed()
+    return result

@@ -1,0 +1,55 @@
+"""Metrics of a run, written by rank 0: one JSON object per line in ``metrics.jsonl`` (and TensorBoard
+scalars when it is installed and asked for)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+
+class MetricsLog:
+    """``log(record)`` appends ``record`` (a dict with ``step`` and ``split``) to the JSONL file."""
+
+    def __init__(self, run_dir: Path, *, jsonl: bool, tensorboard: bool, resume_step: int | None):
+        self.path = run_dir / "metrics.jsonl" if jsonl else None
+        if self.path is not None:
+            self._start(resume_step)
+        self.writer = _tensorboard(run_dir) if tensorboard else None
+
+    def _start(self, resume_step: int | None) -> None:
+        """A fresh file, or on resume the records up to the checkpoint's step (the steps after it are
+        run again)."""
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "split") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{record['split']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn("metrics.tensorboard = true but tensorboard is not installed (pip install tensorboard); "
+                      "writing metrics.jsonl only", stacklevel=2)
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def read(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

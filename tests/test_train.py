@@ -1,0 +1,196 @@
+"""``hybridpar train`` end to end, through the command line and PyTorch's elastic agent: dp=2 x spatial=2
+equals one process (losses and weights, float64), a resumed run equals the uninterrupted one, and
+user mistakes end in a one-line error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hybridpar.train import checkpoint, metrics
+from hybridpar.train.config import load
+from hybridpar.train.loop import build_model, datasets
+
+pytestmark = pytest.mark.timeout(240)
+
+COSMO = """
+run_dir = "{run}"
+seed = 3
+[model]
+name = "cosmoflow"
+base_channels = 2
+fc_sizes = [8]
+batch_norm = {batch_norm}
+dropout = {dropout}
+[data]
+format = "cosmoflow"
+train = "{data}/train"
+val = "{data}/val"
+[mesh]
+dp = {dp}
+spatial = {spatial}
+[optimizer]
+name = "adam"
+lr = 0.01
+[train]
+steps = {steps}
+batch_size = 4
+dtype = "float64"
+[validation]
+every = 2
+[checkpoint]
+every = 2
+"""
+
+UNET = """
+run_dir = "{run}"
+[model]
+name = "unet3d"
+num_classes = 3
+base_channels = 2
+depth = 2
+norm = "batch"
+[data]
+format = "segmentation"
+train = "{data}/train"
+val = "{data}/val"
+[mesh]
+dp = {dp}
+spatial = {spatial}
+[optimizer]
+name = "sgd"
+lr = 0.1
+[train]
+steps = 2
+batch_size = 2
+dtype = "float64"
+"""
+
+
+def hybridpar(*args, check=True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "hybridpar", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=200)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hybridpar {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cosmo_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cosmo")
+    hybridpar("data", "synth-cosmoflow", "--out", root / "train", "--num-samples", 8, "--size", 32, "--seed", 1)
+    hybridpar("data", "synth-cosmoflow", "--out", root / "val", "--num-samples", 3, "--size", 32, "--seed", 2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def seg_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seg")
+    hybridpar("data", "synth-segmentation", "--out", root / "train", "--num-samples", 4, "--size", 16, "--seed", 1)
+    hybridpar("data", "synth-segmentation", "--out", root / "val", "--num-samples", 2, "--size", 16, "--seed", 2)
+    return root
+
+
+def write_config(path: Path, template: str, **values) -> Path:
+    defaults = dict(batch_norm="false", dropout=0.0, dp=1, spatial=[1, 1, 1], steps=2)
+    path.write_text(template.format(**{**defaults, **values}))
+    return path
+
+
+def final_weights(config_path: Path) -> dict[str, torch.Tensor]:
+    """The model weights of the run's last checkpoint, loaded without a process group."""
+    config = load(config_path)
+    model = build_model(config, datasets(config, torch.float64)[0]).double()
+    state = {"model": model.state_dict()}
+    step, path = checkpoint.checkpoints(Path(config.run_dir) / "checkpoints")[-1]
+    dcp.load(state, checkpoint_id=path)
+    return state["model"]
+
+
+def run_pair(tmp_path, template, data, grid, **values):
+    one = write_config(tmp_path / "one.toml", template, run=tmp_path / "one", data=data, **values)
+    par = write_config(tmp_path / "par.toml", template, run=tmp_path / "par", data=data, dp=2, spatial=grid,
+                       **values)
+    hybridpar("train", one, "--nproc", 1)
+    hybridpar("train", par, "--nproc", 4)
+    return one, par
+
+
+def assert_same_run(one: Path, par: Path, tmp_path) -> None:
+    a, b = metrics.read(tmp_path / "one" / "metrics.jsonl"), metrics.read(tmp_path / "par" / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) >= 2
+    for ra, rb in zip(a, b):
+        for key, value in ra.items():
+            if key not in ("bytes_read", "split", "step", "samples"):
+                assert value == pytest.approx(rb[key], rel=1e-10, abs=1e-12), f"{key} at step {ra['step']}"
+    wa, wb = final_weights(one), final_weights(par)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_cosmoflow_dp2_spatial2_equals_one_process(tmp_path, cosmo_data):
+    one, par = run_pair(tmp_path, COSMO, cosmo_data, [2, 1, 1], batch_norm="true")
+    assert_same_run(one, par, tmp_path)
+
+
+def test_unet_dp2_spatial2_equals_one_process(tmp_path, seg_data):
+    one, par = run_pair(tmp_path, UNET, seg_data, [1, 2, 1])
+    assert_same_run(one, par, tmp_path)
+
+
+def test_resume_equals_uninterrupted(tmp_path, cosmo_data):
+    values = dict(data=cosmo_data, dp=1, spatial=[1, 1, 2], steps=4, dropout=0.25)
+    full = write_config(tmp_path / "full.toml", COSMO, run=tmp_path / "full", **values)
+    part = write_config(tmp_path / "part.toml", COSMO, run=tmp_path / "part", **values)
+    hybridpar("train", full, "--nproc", 2)
+    stopped = hybridpar("train", part, "--nproc", 2, "--stop-after", 2)
+    assert "continue with --resume" in stopped.stdout
+    # a crash in the middle of saving step 3 leaves a .partial directory: resume must ignore it
+    (tmp_path / "part" / "checkpoints" / "step_00000003.partial").mkdir()
+    hybridpar("train", part, "--nproc", 2, "--resume")
+    a, b = metrics.read(tmp_path / "full" / "metrics.jsonl"), metrics.read(tmp_path / "part" / "metrics.jsonl")
+    assert [(r["step"], r["split"]) for r in a] == [(r["step"], r["split"]) for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.get("loss") == rb.get("loss") and ra.get("mae") == rb.get("mae"), f"step {ra['step']}"
+    for name, w in final_weights(full).items():
+        torch.testing.assert_close(final_weights(part)[name], w, rtol=0, atol=0)
+    assert [s for s, _ in checkpoint.checkpoints(tmp_path / "part" / "checkpoints")] == [2, 4]
+
+
+def test_checkpoint_listing_ignores_unfinished(tmp_path):
+    for name in ("step_00000002", "step_00000004.partial", "step_00000006", "other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step_00000002" / ".metadata").write_bytes(b"")
+    assert checkpoint.checkpoints(tmp_path) == [(2, tmp_path / "step_00000002")]
+
+
+def expect_error(*args, match: str) -> str:
+    proc = hybridpar(*args, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert match in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+    return proc.stderr
+
+
+def test_user_errors_are_one_line(tmp_path, cosmo_data):
+    cfg = write_config(tmp_path / "c.toml", COSMO, run=tmp_path / "run", data=cosmo_data)
+    expect_error("train", tmp_path / "none.toml", match="cannot read the config")
+    expect_error("train", cfg, "--nproc", 2, match="--nproc 2 does not match")
+    expect_error("train", cfg, "--resume", match="no finished checkpoint")
+    bad_grid = write_config(tmp_path / "g.toml", COSMO, run=tmp_path / "g", data=cosmo_data, spatial=[1, 1, 64])
+    expect_error("train", bad_grid, match="mesh.spatial")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "bad.h5").write_bytes(b"junk" * 10)
+    junk = write_config(tmp_path / "j.toml", COSMO, run=tmp_path / "j", data=tmp_path / "x")
+    junk.write_text(junk.read_text().replace(f'"{tmp_path / "x"}/train"', f'"{tmp_path / "junk"}"'))
+    expect_error("train", junk, match=f"{tmp_path / 'junk' / 'bad.h5'} (sample file 0)")
+    hybridpar("train", cfg)
+    expect_error("train", cfg, match="holds an earlier run; pass --resume")
