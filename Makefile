@@ -12,8 +12,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
+# The main job: synthetic CosmoFlow universes (64^3), then CosmoFlow trained with dp=2 x spatial=2 on
+# 4 local processes, validation MAE printed as it falls (about 3 minutes here).
 demo: $(VENV)/.installed
-	$(BIN)/hybridpar demo
+	$(BIN)/hybridpar data synth-cosmoflow --out data/cosmoflow/train --num-samples 256 --size 64 --seed 0 --overwrite
+	$(BIN)/hybridpar data synth-cosmoflow --out data/cosmoflow/val --num-samples 32 --size 64 --seed 1 --overwrite
+	rm -rf runs/demo-cosmoflow
+	$(BIN)/hybridpar train configs/cosmoflow.toml
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
