@@ -198,3 +198,16 @@ def test_eval_batches_cover_every_sample_once(tmp_path):
     seen = [int(v) for r in range(3) for _, y in eval_batches(ds, batch_size=3, dp=(3, r), grid=Grid((1, 1, 1)),
                                                                spatial_rank=0) for v in y[:, 0]]
     assert sorted(seen) == list(range(7))
+
+
+def test_open_files_are_bounded_and_bytes_still_counted(tmp_path, monkeypatch):
+    from hybridpar.data import hdf5
+
+    monkeypatch.setattr(hdf5, "MAX_OPEN_FILES", 2)
+    ds = _dataset(tmp_path, 5)
+    for i in range(5):
+        ds.read(i, Grid((1, 1, 1)), 0)
+    assert len(ds._files) == 2
+    per_file = ds.bytes_read / 5
+    ds.read(0, Grid((1, 1, 1)), 0)  # reopened: its open overhead counts again
+    assert ds.bytes_read > 5 * per_file

@@ -82,20 +82,20 @@ def hybridpar(*args, check=True) -> subprocess.CompletedProcess:
     return proc
 
 
+def synth(root: Path, kind: str, size: int, num_train: int, num_val: int) -> Path:
+    for split, count, seed in (("train", num_train, 1), ("val", num_val, 2)):
+        hybridpar("data", kind, "--out", root / split, "--num-samples", count, "--size", size, "--seed", seed)
+    return root
+
+
 @pytest.fixture(scope="module")
 def cosmo_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cosmo")
-    hybridpar("data", "synth-cosmoflow", "--out", root / "train", "--num-samples", 8, "--size", 32, "--seed", 1)
-    hybridpar("data", "synth-cosmoflow", "--out", root / "val", "--num-samples", 3, "--size", 32, "--seed", 2)
-    return root
+    return synth(tmp_path_factory.mktemp("cosmo"), "synth-cosmoflow", 32, 8, 3)
 
 
 @pytest.fixture(scope="module")
 def seg_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("seg")
-    hybridpar("data", "synth-segmentation", "--out", root / "train", "--num-samples", 4, "--size", 16, "--seed", 1)
-    hybridpar("data", "synth-segmentation", "--out", root / "val", "--num-samples", 2, "--size", 16, "--seed", 2)
-    return root
+    return synth(tmp_path_factory.mktemp("seg"), "synth-segmentation", 16, 4, 2)
 
 
 def write_config(path: Path, template: str, **values) -> Path:

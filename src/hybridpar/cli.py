@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"demo": _demo, "train": _train, "data": _data}[args.command](args, console)
     except HybridparError as err:
-        Console(stderr=True).print(f"[red]error[/]: {err}", highlight=False, soft_wrap=True)
+        console = Console(stderr=True)
+        console.print("[red]error[/]: ", end="")
+        console.print(str(err), markup=False, highlight=False, soft_wrap=True)
         return 2
 
 

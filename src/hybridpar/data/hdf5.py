@@ -13,6 +13,8 @@ import glob
 import io
 import itertools
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from hybridpar.spatial.geometry import Grid
 
 LAYOUTS = {"DHWC": "channels_last", "CDHW": "channels_first"}
 TRANSFORMS = ("log1p", "none")
+MAX_OPEN_FILES = 64
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,9 @@ class SlabDataset:
             raise DataError(f"none of the {len(paths)} files is usable; first problem: {self.skipped[0][1]}")
         self.samples = [(i, origin) for i, info in enumerate(self.infos)
                         for origin in _tiles(info.spatial, crop)[:crops_per_file]]
-        self._files: dict[int, tuple[CountingFile, h5py.File]] = {}
+        self._files: OrderedDict[int, tuple[CountingFile, h5py.File]] = OrderedDict()  # open, newest last
+        self._closed_bytes = 0
+        self._lock = threading.Lock()  # the prefetch thread opens files while the loop reads bytes_read
 
     def _check(self, info: FileInfo, index: int) -> FileInfo:
         first = self.infos[0] if self.infos else info
@@ -200,13 +205,25 @@ class SlabDataset:
 
     @property
     def bytes_read(self) -> int:
-        return sum(fileobj.bytes_read for fileobj, _ in self._files.values())
+        with self._lock:
+            return self._closed_bytes + sum(fileobj.bytes_read for fileobj, _ in self._files.values())
 
     def _open(self, file_index: int) -> h5py.File:
-        if file_index not in self._files:
-            fileobj = CountingFile(self.infos[file_index].path)
-            self._files[file_index] = (fileobj, h5py.File(fileobj, "r"))
-        return self._files[file_index][1]
+        """The open file, kept among the ``MAX_OPEN_FILES`` most recently used (far below ``ulimit -n``)."""
+        with self._lock:
+            if file_index in self._files:
+                self._files.move_to_end(file_index)
+            else:
+                fileobj = CountingFile(self.infos[file_index].path)
+                self._files[file_index] = (fileobj, h5py.File(fileobj, "r"))
+                if len(self._files) > MAX_OPEN_FILES:
+                    self._close(*self._files.popitem(last=False)[1])
+            return self._files[file_index][1]
+
+    def _close(self, fileobj: CountingFile, f: h5py.File) -> None:
+        f.close()
+        fileobj.close()
+        self._closed_bytes += fileobj.bytes_read
 
     def read(self, index: int, grid: Grid, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This spatial rank's slab ``(C, d, h, w)`` of sample ``index`` and its target (the whole
@@ -230,7 +247,7 @@ class SlabDataset:
         return x, y
 
     def close(self) -> None:
-        for fileobj, f in self._files.values():
-            f.close()
-            fileobj.close()
-        self._files.clear()
+        with self._lock:
+            for fileobj, f in self._files.values():
+                self._close(fileobj, f)
+            self._files.clear()
