@@ -25,6 +25,9 @@ seed = {seed}
 name = "cosmoflow"
 base_channels = {base}
 fc_sizes = [64, 32]
+num_blocks = {blocks}
+pooling = "{pooling}"
+batch_norm = {batch_norm}
 [data]
 format = "cosmoflow"
 train = "{data}/train"
@@ -65,7 +68,8 @@ def train(args, data: Path, crop: int, spatial: list[int], seed: int) -> list[di
     config = args.out / f"crop{crop}_seed{seed}.toml"
     config.write_text(CONFIG.format(run=run, data=data, crop=crop, spatial=spatial, steps=args.steps,
                                     batch=args.batch, every=max(1, args.steps // 8), base=args.base_channels,
-                                    lr=args.lr, seed=seed))
+                                    lr=args.lr, seed=seed, blocks=args.num_blocks, pooling=args.pooling,
+                                    batch_norm=str(args.batch_norm).lower()))
     if run.exists():
         subprocess.run(["rm", "-rf", str(run)], check=True)
     nproc = spatial[0] * spatial[1] * spatial[2]
@@ -103,8 +107,15 @@ def main() -> int:
     parser.add_argument("--num-val", type=int, default=32)
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--base-channels", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--base-channels", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--num-blocks", type=int, default=3, help="conv blocks, the same at every crop (0: MLPerf's "
+                        "log2(crop) - 2)")
+    parser.add_argument("--pooling", choices=("average", "flatten"), default="average",
+                        help="global average of the last features (one network for every crop) or MLPerf's flatten")
+    parser.add_argument("--batch-norm", action=argparse.BooleanOptionalAction, default=True,
+                        help="BatchNorm3d after each conv (default on: it centres the log-counts, which the "
+                        "LeakyReLUs then rectify into local variances)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (runs averaged)")
     parser.add_argument("--data", type=Path, default=Path("data/sample_size"))
     parser.add_argument("--out", type=Path, default=Path("runs/sample_size"))

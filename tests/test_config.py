@@ -45,6 +45,14 @@ def test_defaults_and_values():
     ({"model": {"size": 64}}, "model.size is set from the data"),
     ({"model": {"dropout": "high"}}, "model.dropout = 'high': expected float"),
     ({"model": {"name": "unet3d", "depth": 2.0}}, "model.depth = 2.0: expected int"),
+    ({"optimizer": {"lr": -0.1}}, r"optimizer.lr = -0.1: must be greater than 0"),
+    ({"optimizer": {"lr": 0}}, r"optimizer.lr = 0.0: must be greater than 0"),
+    ({"optimizer": {"momentum": 1.5}}, r"optimizer.momentum = 1.5: must be in \[0, 1\)"),
+    ({"optimizer": {"betas": [0.9, -0.1]}}, r"optimizer.betas\[1\] = -0.1: must be in \[0, 1\)"),
+    ({"optimizer": {"betas": [0.9]}}, r"optimizer.betas = \[0.9\]: give two numbers"),
+    ({"schedule": {"factor": -2}}, r"schedule.factor = -2.0: must be greater than 0"),
+    ({"schedule": {"decay_steps": [200, 100]}}, r"schedule.decay_steps = \[200, 100\]: give increasing"),
+    ({"schedule": {"decay_steps": [0]}}, r"schedule.decay_steps = \[0\]: give increasing"),
 ])
 def test_bad_keys_and_values(sections, message):
     with pytest.raises(ConfigError, match=message):

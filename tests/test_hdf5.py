@@ -135,7 +135,7 @@ def _bad_files(tmp_path):
         "name": (tmp_path / "name.h5", "no dataset 'full'"),
         "shape": (tmp_path / "shape.h5", "expected numbers of shape"),
         "dtype": (tmp_path / "dtype.h5", "expected numbers of shape"),
-        "channels": (tmp_path / "other.h5", "the first file has 4"),
+        "channels": (tmp_path / "other.h5", "most files have 4 channels"),
         "truncated": (truncated, "truncated"),
         "garbage": (tmp_path / "garbage.h5", "not a readable HDF5 file"),
     }, good
@@ -155,6 +155,32 @@ def test_skip_bad_counts_and_skips(tmp_path):
     ds = SlabDataset([good] + [p for p, _ in bad.values()] + [good], RAW, skip_bad=True)
     assert len(ds) == 2 and len(ds.skipped) == len(bad)
     assert {p for p, _ in ds.skipped} == {p for p, _ in bad.values()}
+
+
+def test_skip_bad_keeps_the_shape_of_most_files(tmp_path):
+    odd = write_cosmo(tmp_path / "a_odd.h5", volume((4, 4, 4, 4)))  # first in order, but the odd one out
+    usual = [write_cosmo(tmp_path / f"b{i}.h5", volume((8, 8, 8, 4), seed=i)) for i in range(2)]
+    ds = SlabDataset([odd] + usual, RAW, skip_bad=True)
+    assert [info.path for info in ds.infos] == usual and ds.sample_shape == (4, 8, 8, 8)
+    assert ds.skipped[0][0] == odd and "most files have 4 channels, volume (8, 8, 8)" in ds.skipped[0][1]
+
+
+def test_truncated_header_is_reported_as_truncated(tmp_path):
+    good = write_cosmo(tmp_path / "good.h5", volume((8, 8, 8, 4)))
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(good.read_bytes()[:1200])  # the superblock says the file is longer
+    with pytest.raises(DataError, match="cut.h5 \\(sample file 0\\): truncated: the file is shorter"):
+        SlabDataset([cut], RAW)
+
+
+def test_labels_outside_the_classes_name_the_file_and_sample(tmp_path):
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        f["image"], f["label"] = np.zeros((1, 4, 4, 4), np.float32), np.full((4, 4, 4), 3, np.uint8)
+        f.attrs["layout"] = "CDHW"
+    SlabDataset([tmp_path / "s.h5"], SEGMENTATION, num_classes=4).read(0, Grid((1, 1, 1)), 0)
+    ds = SlabDataset([tmp_path / "s.h5"], SEGMENTATION, num_classes=3)
+    with pytest.raises(DataError, match=r"s.h5 \(sample 0\): labels 3..3 .* num_classes = 3"):
+        ds.read(0, Grid((2, 1, 1)), 1)
 
 
 def test_crop_larger_than_volume(tmp_path):

@@ -65,6 +65,29 @@ def test_cosmoflow_reference_parameter_count():
     assert sum(p.numel() for p in normed.parameters()) == convs + dense + sum(widths)
 
 
+@pytest.mark.parametrize("size", [32, 64, 128])
+def test_cosmoflow_average_pooling_is_one_network_for_every_edge(size):
+    """With fixed blocks and global average pooling, the parameters do not depend on the input edge."""
+    small = cosmoflow(32, base_channels=2, fc_sizes=(8,), num_blocks=3, pooling="average")
+    model = cosmoflow(size, base_channels=2, fc_sizes=(8,), num_blocks=3, pooling="average")
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in small.state_dict().items()}
+    assert _count(model, nn.Conv3d) == 3 and _count(model, nn.AdaptiveAvgPool3d) == 1
+    with torch.device("meta"):
+        model = cosmoflow(size, base_channels=2, fc_sizes=(8,), num_blocks=3, pooling="average")
+        features = model.features(torch.empty(2, 4, size, size, size))
+        assert features.shape == (2, 8) + (size // 8,) * 3
+        assert model.head(features).shape == (2, 4)
+    small.check_input_size(size)  # any edge the blocks halve exactly
+    with pytest.raises(HybridparError, match="size=32"):
+        small.check_input_size(36)
+
+
+def test_cosmoflow_flatten_with_fewer_blocks():
+    model = cosmoflow(64, base_channels=2, fc_sizes=(8,), num_blocks=2)
+    assert model.head[1].in_features == 4 * 16**3  # 2 blocks: 64 -> 16, 4 channels
+    assert model(torch.randn(1, 4, 64, 64, 64)).shape == (1, 4)
+
+
 def test_cosmoflow_check_input_size():
     model = cosmoflow(32, base_channels=1)
     model.check_input_size(32)
@@ -75,7 +98,8 @@ def test_cosmoflow_check_input_size():
 COSMOFLOW_ERRORS = [
     ("size", 100), ("size", 16), ("size", 1024), ("size", 64.0), ("size", True), ("in_channels", 0),
     ("base_channels", -1), ("kernel_size", 0), ("fc_sizes", (128, 0)), ("fc_sizes", 128), ("num_outputs", 0),
-    ("dropout", 1.0), ("dropout", -0.1), ("dropout", "0.5"), ("batch_norm", "yes"),
+    ("dropout", 1.0), ("dropout", -0.1), ("dropout", "0.5"), ("batch_norm", "yes"), ("num_blocks", -1),
+    ("num_blocks", 8), ("num_blocks", 2.0), ("pooling", "max"),
 ]
 
 
@@ -135,6 +159,8 @@ def test_unet3d_argument_errors(name, value):
 EQUIVALENCE = [
     ("cosmoflow", dict(size=32, base_channels=2), (2, 4, 32, 32, 32)),
     ("cosmoflow", dict(size=32, base_channels=2, batch_norm=True), (2, 4, 32, 32, 32)),
+    ("cosmoflow", dict(size=32, base_channels=2, batch_norm=True, num_blocks=2, pooling="average"),
+     (2, 4, 32, 32, 32)),
     # uneven slabs below the top level: 10 -> 5 (3 + 2 on two parts), 12 -> 6 -> 3 (2 + 1)
     ("unet3d", dict(base_channels=2, depth=2, norm="instance"), (2, 1, 10, 6, 6)),
     ("unet3d", dict(base_channels=2, depth=2, norm="batch"), (2, 1, 10, 6, 6)),

@@ -32,9 +32,11 @@ dropout = {dropout}
 format = "cosmoflow"
 train = "{data}/train"
 val = "{data}/val"
+skip_bad = {skip_bad}
 [mesh]
 dp = {dp}
 spatial = {spatial}
+data_parallel = "{data_parallel}"
 [optimizer]
 name = "adam"
 lr = 0.01
@@ -52,7 +54,7 @@ UNET = """
 run_dir = "{run}"
 [model]
 name = "unet3d"
-num_classes = 3
+num_classes = {num_classes}
 base_channels = 2
 depth = 2
 norm = "batch"
@@ -99,7 +101,8 @@ def seg_data(tmp_path_factory):
 
 
 def write_config(path: Path, template: str, **values) -> Path:
-    defaults = dict(batch_norm="false", dropout=0.0, dp=1, spatial=[1, 1, 1], steps=2)
+    defaults = dict(batch_norm="false", dropout=0.0, dp=1, spatial=[1, 1, 1], steps=2, data_parallel="ddp",
+                    skip_bad="false", num_classes=3)
     path.write_text(template.format(**{**defaults, **values}))
     return path
 
@@ -114,10 +117,10 @@ def final_weights(config_path: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def run_pair(tmp_path, template, data, grid, **values):
+def run_pair(tmp_path, template, data, grid, data_parallel="ddp", **values):
     one = write_config(tmp_path / "one.toml", template, run=tmp_path / "one", data=data, **values)
     par = write_config(tmp_path / "par.toml", template, run=tmp_path / "par", data=data, dp=2, spatial=grid,
-                       **values)
+                       data_parallel=data_parallel, **values)
     hybridpar("train", one, "--nproc", 1)
     hybridpar("train", par, "--nproc", 4)
     return one, par
@@ -138,6 +141,11 @@ def assert_same_run(one: Path, par: Path, tmp_path) -> None:
 
 def test_cosmoflow_dp2_spatial2_equals_one_process(tmp_path, cosmo_data):
     one, par = run_pair(tmp_path, COSMO, cosmo_data, [2, 1, 1], batch_norm="true")
+    assert_same_run(one, par, tmp_path)
+
+
+def test_cosmoflow_fsdp_dp2_spatial2_equals_one_process(tmp_path, cosmo_data):
+    one, par = run_pair(tmp_path, COSMO, cosmo_data, [1, 2, 1], data_parallel="fsdp")
     assert_same_run(one, par, tmp_path)
 
 
@@ -194,3 +202,35 @@ def test_user_errors_are_one_line(tmp_path, cosmo_data):
     expect_error("train", junk, match=f"{tmp_path / 'junk' / 'bad.h5'} (sample file 0)")
     hybridpar("train", cfg)
     expect_error("train", cfg, match="holds an earlier run; pass --resume")
+
+
+def test_run_dir_of_a_run_without_checkpoint(tmp_path, cosmo_data):
+    cfg = write_config(tmp_path / "c.toml", COSMO, run=tmp_path / "run", data=cosmo_data)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 1.0}\n')
+    expect_error("train", cfg, match="saved no checkpoint (nothing to resume); move")
+    expect_error("train", cfg, "--resume", match="no finished checkpoint")
+    expect_error("train", cfg, "--stop-after", 0, match="--stop-after: '0': give a whole number of at least 1")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().startswith('{"step": 1'), "the old metrics are kept"
+
+
+def test_labels_beyond_the_classes_stop_every_rank_with_one_error(tmp_path, seg_data):
+    # the labels run 0..2: with num_classes = 2 the ranks whose slabs hold a 2 fail while reading, the
+    # others are told at the same step and stop too (no rank is left waiting in a collective)
+    cfg = write_config(tmp_path / "u.toml", UNET, run=tmp_path / "run", data=seg_data, spatial=[1, 2, 1],
+                       num_classes=2)
+    expect_error("train", cfg, "--nproc", 2, match="num_classes = 2, so labels must lie in 0..1")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "a run that failed before any step leaves no metrics"
+
+
+def test_skip_bad_reports_the_skipped_files(tmp_path, cosmo_data):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for path in (cosmo_data / "train").iterdir():
+        (mixed / path.name).symlink_to(path)
+    (mixed / "zz_bad.h5").write_bytes(b"junk" * 10)
+    cfg = write_config(tmp_path / "c.toml", COSMO, run=tmp_path / "run", data=cosmo_data, skip_bad="true")
+    cfg.write_text(cfg.read_text().replace(f'"{cosmo_data}/train"', f'"{mixed}"'))
+    proc = hybridpar("train", cfg, "--nproc", 1)
+    assert "data.train: skipped 1 of 9 files (data.skip_bad = true); first:" in proc.stderr
+    assert "zz_bad.h5 (sample file 8): not a readable HDF5 file" in proc.stderr

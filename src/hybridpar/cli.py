@@ -21,6 +21,16 @@ def _parts(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: give part counts separated by commas, e.g. 2,1,1") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridpar", description="Hybrid-parallel training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,10 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     train = sub.add_parser("train", help="train a model from a TOML config (under torchrun, or on local workers)")
     train.add_argument("config", help="the TOML config (keys: docs/config.md)")
-    train.add_argument("--nproc", type=int, default=None,
+    train.add_argument("--nproc", type=_positive, default=None,
                        help="local workers to start (default: mesh.dp x prod(mesh.spatial)); ignored under torchrun")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
-    train.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
+    train.add_argument("--stop-after", type=_positive, default=None, metavar="STEPS",
                        help="stop (with a checkpoint) once this many steps are done, e.g. before a job's time limit")
     data = sub.add_parser("data", help="synthetic datasets").add_subparsers(dest="data_command", required=True)
     cosmo = data.add_parser("synth-cosmoflow", help="lognormal universes in the CosmoFlow HDF5 layout")

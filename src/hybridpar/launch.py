@@ -33,8 +33,10 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     """Join the process group that ``torchrun`` or ``launch_local`` set up (gloo on CPU, NCCL on GPU).
 
     Each restart attempt of the elastic agent gets its own store prefix, so restarted workers do not
-    collide with the keys of the attempt before.
+    collide with the keys of the attempt before. On GPUs each worker takes GPU ``LOCAL_RANK`` of its node.
     """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

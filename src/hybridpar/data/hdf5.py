@@ -125,6 +125,9 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
     except FileNotFoundError:
         raise DataError(f"{path} (sample file {index}): file not found") from None
     except OSError as err:
+        if "truncated file" in str(err):
+            raise DataError(f"{path} (sample file {index}): truncated: the file is shorter than its HDF5 header "
+                            f"says ({err}). Copy or generate the file again") from None
         raise DataError(f"{path} (sample file {index}): not a readable HDF5 file ({err})") from None
     with f:
         x = _dataset(f, fmt.input, path, index)
@@ -144,6 +147,11 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
         return FileInfo(path, layout, channels, tuple(spatial), tuple(y.shape))
 
 
+def _most_common(keys: list[tuple]) -> tuple | None:
+    """The most frequent key, the earliest on a tie (``None`` for no keys)."""
+    return max(keys, key=lambda k: (keys.count(k), -keys.index(k)), default=None)
+
+
 def _tiles(spatial: tuple[int, ...], crop: int | None) -> list[tuple[int, ...]]:
     if crop is None:
         return [(0,) * len(spatial)]
@@ -155,23 +163,25 @@ class SlabDataset:
 
     ``crop``: edge of the cubic crops the volumes are tiled into (``None``: whole volumes);
     ``crops_per_file``: how many of each file's tiles to use (``None``: all, in row-major order).
-    ``skip_bad``: count and skip files that fail the checks instead of raising.
+    ``skip_bad``: count and skip files that fail the checks instead of raising; a file whose shape
+    differs from most files' is the bad one. ``num_classes``: labels of volume targets must lie in
+    ``[0, num_classes)`` (checked as each slab is read).
     """
 
     def __init__(self, paths: list[Path], fmt: SampleFormat, *, crop: int | None = None,
-                 crops_per_file: int | None = None, skip_bad: bool = False, dtype=torch.float32):
+                 crops_per_file: int | None = None, skip_bad: bool = False, dtype=torch.float32,
+                 num_classes: int | None = None):
         if fmt.transform not in TRANSFORMS:
             raise DataError(f"transform {fmt.transform!r} is not one of {TRANSFORMS}")
-        self.fmt, self.crop, self.dtype = fmt, crop, dtype
+        self.fmt, self.crop, self.dtype, self.num_classes = fmt, crop, dtype, num_classes
         self.infos: list[FileInfo] = []
         self.skipped: list[tuple[Path, str]] = []
-        for index, path in enumerate(paths):
-            try:
-                self.infos.append(self._check(inspect_file(Path(path), fmt, index), index))
-            except DataError as err:
-                if not skip_bad:
-                    raise
-                self.skipped.append((Path(path), str(err)))
+        readable = [(index, info) for index, path in enumerate(paths)
+                    if (info := self._attempt(skip_bad, Path(path), inspect_file, Path(path), fmt, index))]
+        reference = _most_common([self._shape_key(info) for _, info in readable])
+        for index, info in readable:
+            if (checked := self._attempt(skip_bad, info.path, self._check, info, index, reference)):
+                self.infos.append(checked)
         if not self.infos:
             raise DataError(f"none of the {len(paths)} files is usable; first problem: {self.skipped[0][1]}")
         self.samples = [(i, origin) for i, info in enumerate(self.infos)
@@ -180,15 +190,29 @@ class SlabDataset:
         self._closed_bytes = 0
         self._lock = threading.Lock()  # the prefetch thread opens files while the loop reads bytes_read
 
-    def _check(self, info: FileInfo, index: int) -> FileInfo:
-        first = self.infos[0] if self.infos else info
-        same = info.channels == first.channels and (
-            self.fmt.target_kind == "volume" or info.target_shape == first.target_shape)
-        if not same or (self.crop is None and info.spatial != first.spatial):
+    def _attempt(self, skip_bad: bool, path: Path, check, *args):
+        """``check(*args)``; with ``skip_bad``, a :class:`DataError` is recorded in ``skipped`` (``None``)."""
+        try:
+            return check(*args)
+        except DataError as err:
+            if not skip_bad:
+                raise
+            self.skipped.append((path, str(err)))
+            return None
+
+    def _shape_key(self, info: FileInfo) -> tuple:
+        """What every file must share: channels, the target's shape (vectors), the volume (uncropped)."""
+        return (info.channels, None if self.fmt.target_kind == "volume" else info.target_shape,
+                info.spatial if self.crop is None else None)
+
+    def _check(self, info: FileInfo, index: int, reference: tuple) -> FileInfo:
+        if self._shape_key(info) != reference:
+            channels, target, spatial = reference
+            want = ", ".join([f"{channels} channels"] + ([f"volume {spatial}"] if spatial else []) +
+                             ([f"target {target}"] if target else []))
             raise DataError(f"{info.path} (sample file {index}): {info.channels} channels, volume {info.spatial}, "
-                            f"target {info.target_shape}; the first file has {first.channels}, {first.spatial}, "
-                            f"{first.target_shape}. Every sample must have the same shape (set data.crop to tile "
-                            f"volumes of different sizes)")
+                            f"target {info.target_shape}; most files have {want}. Every sample must have the "
+                            f"same shape (set data.crop to tile volumes of different sizes)")
         if self.crop is not None and min(info.spatial) < self.crop:
             raise DataError(f"{info.path} (sample file {index}): volume {info.spatial} is smaller than "
                             f"data.crop = {self.crop}; use a crop of at most {min(info.spatial)}")
@@ -242,8 +266,13 @@ class SlabDataset:
         x = np.moveaxis(x, 3, 0) if info.layout == "channels_last" else x
         x = torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)
         x = torch.log1p(x) if self.fmt.transform == "log1p" else x
-        y = torch.from_numpy(np.asarray(y)).long() if self.fmt.target_kind == "volume" else \
-            torch.as_tensor(np.asarray(y), dtype=self.dtype)
+        if self.fmt.target_kind == "vector":
+            return x, torch.as_tensor(np.asarray(y), dtype=self.dtype)
+        y = torch.from_numpy(np.asarray(y)).long()
+        if self.num_classes is not None and y.numel() and not 0 <= y.min() <= y.max() < self.num_classes:
+            raise DataError(f"{info.path} (sample {index}): labels {int(y.min())}..{int(y.max())} in slab {box}; "
+                            f"the model has num_classes = {self.num_classes}, so labels must lie in 0.."
+                            f"{self.num_classes - 1}. Set model.num_classes to cover every label")
         return x, y
 
     def close(self) -> None:

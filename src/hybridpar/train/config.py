@@ -122,6 +122,8 @@ POSITIVE = {"mesh.dp", "train.batch_size", "checkpoint.keep", "train.log_every"}
 NON_NEGATIVE = {"data.crop", "data.crops_per_file", "data.prefetch", "train.steps", "train.epochs",
                 "schedule.warmup_steps", "validation.every", "validation.batch_size", "validation.max_samples",
                 "checkpoint.every", "optimizer.weight_decay", "schedule.min_lr"}
+GREATER_THAN_ZERO = {"optimizer.lr", "schedule.factor"}
+FRACTIONS = {"optimizer.momentum", "optimizer.betas[0]", "optimizer.betas[1]"}  # in [0, 1)
 
 
 def _type_name(tp) -> str:
@@ -152,6 +154,17 @@ def _check_value(key: str, value) -> None:
         raise ConfigError(f"{key} = {value!r}: must be at least 1")
     if key in NON_NEGATIVE and value < 0:
         raise ConfigError(f"{key} = {value!r}: must not be negative")
+    if key in GREATER_THAN_ZERO and not value > 0:
+        raise ConfigError(f"{key} = {value!r}: must be greater than 0")
+    if key in FRACTIONS and not 0 <= value < 1:
+        raise ConfigError(f"{key} = {value!r}: must be in [0, 1), e.g. 0.9")
+    if key == "optimizer.betas":
+        if len(value) != 2:
+            raise ConfigError(f"{key} = {list(value)}: give two numbers, e.g. [0.9, 0.999]")
+        for i, beta in enumerate(value):
+            _check_value(f"{key}[{i}]", beta)
+    if key == "schedule.decay_steps" and (min(value, default=1) < 1 or list(value) != sorted(set(value))):
+        raise ConfigError(f"{key} = {list(value)}: give increasing step numbers >= 1, e.g. [100, 200]")
 
 
 def _section(cls, table: dict, prefix: str):

@@ -10,6 +10,7 @@ deterministic sampler, so a run resumed from a checkpoint repeats the uninterrup
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from hybridpar import spatial
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, DataError
 from hybridpar.mesh import ParallelDims, build_mesh
 from hybridpar.parallel.data import data_parallel, flat_group
 from hybridpar.spatial.geometry import Grid
@@ -41,10 +42,18 @@ def sample_format(cfg) -> SampleFormat:
                         cfg.layout or base.layout, cfg.transform or base.transform)
 
 
+def num_classes(config: Config) -> int | None:
+    """The segmentation model's class count (``None`` for regression models)."""
+    if config.model.name != "unet3d":
+        return None
+    default = inspect.signature(model_factory("unet3d")).parameters["num_classes"].default
+    return config.model.options.get("num_classes", default)
+
+
 def datasets(config: Config, dtype) -> tuple[SlabDataset, SlabDataset | None]:
     data, fmt = config.data, sample_format(config.data)
     kwargs = dict(crop=data.crop or None, crops_per_file=data.crops_per_file or None, skip_bad=data.skip_bad,
-                  dtype=dtype)
+                  dtype=dtype, num_classes=num_classes(config))
     train = SlabDataset(list_files(data.train, "data.train"), fmt, **kwargs)
     val = SlabDataset(list_files(data.val, "data.val"), fmt, **kwargs) if data.val else None
     if val is not None and val.sample_shape != train.sample_shape:
@@ -182,13 +191,14 @@ def validate(run: Run) -> dict:
     batch = run.config.validation.batch_size or run.config.train.batch_size
     limit = run.config.validation.max_samples
     sums = None
-    for x, y in eval_batches(run.val_set, batch_size=batch, dp=run.dp, grid=run.grid,
-                             spatial_rank=run.spatial_mesh.get_local_rank(), limit=limit):
+    for x, y in agreed(run, eval_batches(run.val_set, batch_size=batch, dp=run.dp, grid=run.grid,
+                                         spatial_rank=run.spatial_mesh.get_local_rank(), limit=limit)):
         out = run.model(x.to(run.device)).double()
         part = _regression_sums(out, y.to(run.device)) if run.loss_name == "mse" else _dice_sums(out, y.to(run.device))
         sums = part if sums is None else sums + part
     if sums is None:  # this dp rank had no samples (fewer samples than dp groups)
-        sums = torch.zeros(_num_sums(run), dtype=torch.float64, device=run.device)
+        size = 4 if run.loss_name == "mse" else 3 * num_classes(run.config)
+        sums = torch.zeros(size, dtype=torch.float64, device=run.device)
     if run.loss_name == "mse":
         dist.all_reduce(sums, group=run.mesh["dp"].get_group())
         return {"mae": float(sums[0] / sums[2]), "mse": float(sums[1] / sums[2]), "samples": int(sums[3])}
@@ -196,13 +206,6 @@ def validate(run: Run) -> dict:
     inter, pred, true = sums.view(3, -1)[:, 1:]  # foreground classes only
     dice = (2 * inter / (pred + true).clamp_min(1)).tolist()
     return {"dice": sum(dice) / len(dice), **{f"dice_{c + 1}": d for c, d in enumerate(dice)}}
-
-
-def _num_sums(run: Run) -> int:
-    if run.loss_name == "mse":
-        return 4
-    return 3 * inspect.signature(model_factory("unet3d")).parameters["num_classes"].default \
-        if "num_classes" not in run.config.model.options else 3 * run.config.model.options["num_classes"]
 
 
 def _regression_sums(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -227,9 +230,13 @@ def prepare_run_dir(config: Config, resume: bool) -> Path | None:
             raise ConfigError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'}; "
                               f"start without --resume")
         return found[-1][1]
-    if found or (run_dir / "metrics.jsonl").exists():
+    if found:
         raise ConfigError(f"run_dir = {str(run_dir)!r} holds an earlier run; pass --resume to continue it, "
                           f"or set another run_dir (nothing was overwritten)")
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run_dir = {str(run_dir)!r} holds the metrics of an earlier run that saved no "
+                          f"checkpoint (nothing to resume); move {run_dir / 'metrics.jsonl'} away to start again "
+                          f"there, or set another run_dir (nothing was overwritten)")
     return None
 
 
@@ -246,11 +253,13 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
         run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root,
                      tensorboard=config.metrics.tensorboard and is_root, resume_step=start if resume_from else None)
+    if is_root:
+        _report_skipped(run)
     progress = Progress(run, start, stop, show=show and is_root)
     summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None}
     begin = time.perf_counter()
     with progress:
-        for step, x, y in run.loader.batches(start, stop):
+        for step, x, y in agreed(run, run.loader.batches(start, stop)):
             loss, lr = train_step(run, step, x, y)
             done = step + 1
             record = {"step": done, "split": "train", "loss": loss, "lr": lr,
@@ -272,6 +281,37 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     if run.val_set is not None:
         run.val_set.close()
     return summary
+
+
+def _report_skipped(run: Run) -> None:
+    """With ``data.skip_bad``, say how many files were left out and why (the first one)."""
+    for key, dataset in (("data.train", run.train_set), ("data.val", run.val_set)):
+        if dataset is not None and dataset.skipped:
+            path, why = dataset.skipped[0]
+            total = len(dataset.skipped) + len(dataset.infos)
+            print(f"warning: {key}: skipped {len(dataset.skipped)} of {total} files (data.skip_bad = true); "
+                  f"first: {why}", file=sys.stderr, flush=True)
+
+
+def agreed(run: Run, batches):
+    """``batches``, with a data error on any rank (a file that changed or broke since the checks, a label
+    out of range) raised on every rank at the same step, so no rank waits forever in a collective for
+    one that stopped. Every rank iterates over the same number of batches."""
+    batches = iter(batches)
+    while True:
+        try:
+            item, error = next(batches), None
+        except StopIteration:
+            return
+        except DataError as err:
+            item, error = None, str(err)
+        flag = torch.tensor([error is not None], dtype=torch.int32, device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            raise DataError(next(e for e in errors if e is not None))
+        yield item
 
 
 def _due(done: int, every: int, stop: int, total: int) -> bool:

@@ -18,13 +18,12 @@ class MetricsLog:
         self.writer = _tensorboard(run_dir) if tensorboard else None
 
     def _start(self, resume_step: int | None) -> None:
-        """A fresh file, or on resume the records up to the checkpoint's step (the steps after it are
-        run again)."""
-        kept = []
+        """On resume, keep the records up to the checkpoint's step (the steps after it are run again). A
+        fresh run creates the file with its first record, so a run that fails before any step leaves none."""
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:
         if self.path is not None:
