@@ -52,7 +52,7 @@ def test_defaults_and_values():
     ({"optimizer": {"betas": [0.9]}}, r"optimizer.betas = \[0.9\]: give two numbers"),
     ({"schedule": {"factor": -2}}, r"schedule.factor = -2.0: must be greater than 0"),
     ({"schedule": {"decay_steps": [200, 100]}}, r"schedule.decay_steps = \[200, 100\]: give increasing"),
-    ({"schedule": {"decay_steps": [0]}}, r"schedule.decay_steps = \[0\]: give increasing"),
+    ({"schedule": {"decay_steps": [-1]}}, r"schedule.decay_steps = \[-1\]: give increasing"),
 ])
 def test_bad_keys_and_values(sections, message):
     with pytest.raises(ConfigError, match=message):

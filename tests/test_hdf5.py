@@ -219,11 +219,16 @@ def test_loader_resumes_mid_epoch_with_the_same_batches(tmp_path):
     assert full[:5] != full[5:10], "epochs are shuffled differently"
 
 
-def test_eval_batches_cover_every_sample_once(tmp_path):
-    ds = _dataset(tmp_path, 7)
-    seen = [int(v) for r in range(3) for _, y in eval_batches(ds, batch_size=3, dp=(3, r), grid=Grid((1, 1, 1)),
-                                                               spatial_rank=0) for v in y[:, 0]]
-    assert sorted(seen) == list(range(7))
+@pytest.mark.parametrize("num_samples, limit", [(7, 0), (7, 5), (2, 0)])
+def test_eval_batches_cover_every_sample_once(tmp_path, num_samples, limit):
+    ds = _dataset(tmp_path, num_samples)
+    seen, shapes = [], []
+    for r in range(3):
+        batches = list(eval_batches(ds, batch_size=3, dp=(3, r), grid=Grid((1, 1, 1)), spatial_rank=0, limit=limit))
+        shapes.append([len(y) for _, y, _ in batches])
+        seen += [int(v) for _, y, num_valid in batches for v in y[:num_valid, 0]]
+    assert sorted(seen) == list(range(limit or num_samples))
+    assert shapes[0] == shapes[1] == shapes[2], "every dp rank runs the same batches (padded)"
 
 
 def test_open_files_are_bounded_and_bytes_still_counted(tmp_path, monkeypatch):

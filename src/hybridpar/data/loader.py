@@ -4,6 +4,7 @@ thread reads the next batches while the current one trains."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,11 +57,16 @@ class SlabLoader:
 
 def eval_batches(dataset: SlabDataset, *, batch_size: int, dp: tuple[int, int], grid: Grid, spatial_rank: int,
                  limit: int = 0):
-    """Every sample (or the first ``limit``) once, dp rank ``r`` taking samples ``r, r + dp, ...``
-    (no padding, no repeats)."""
+    """Yield ``(x_slab, target, num_valid)``: every sample (or the first ``limit``) once, dp rank ``r``
+    taking samples ``r, r + dp, ...``. Every dp rank yields the same number of batches of the same sizes
+    (so that data-parallel collectives in the forward pass, such as FSDP's all-gathers, line up): a rank
+    with fewer samples repeats its last one, and only the first ``num_valid`` samples of a batch count."""
     num_dp, dp_rank = dp
-    mine = list(range(dp_rank, min(len(dataset), limit or len(dataset)), num_dp))
+    total = min(len(dataset), limit or len(dataset))
+    mine = list(range(dp_rank, total, num_dp))
+    valid = len(mine)
+    mine += [mine[-1] if mine else 0] * (math.ceil(total / num_dp) - valid)
     local = max(1, batch_size // num_dp)
     for start in range(0, len(mine), local):
         xs, ys = zip(*(dataset.read(i, grid, spatial_rank) for i in mine[start:start + local]))
-        yield torch.stack(xs), torch.stack(ys)
+        yield torch.stack(xs), torch.stack(ys), min(local, max(0, valid - start))

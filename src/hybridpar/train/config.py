@@ -163,8 +163,8 @@ def _check_value(key: str, value) -> None:
             raise ConfigError(f"{key} = {list(value)}: give two numbers, e.g. [0.9, 0.999]")
         for i, beta in enumerate(value):
             _check_value(f"{key}[{i}]", beta)
-    if key == "schedule.decay_steps" and (min(value, default=1) < 1 or list(value) != sorted(set(value))):
-        raise ConfigError(f"{key} = {list(value)}: give increasing step numbers >= 1, e.g. [100, 200]")
+    if key == "schedule.decay_steps" and (min(value, default=0) < 0 or list(value) != sorted(set(value))):
+        raise ConfigError(f"{key} = {list(value)}: give increasing step numbers >= 0, e.g. [100, 200]")
 
 
 def _section(cls, table: dict, prefix: str):

@@ -190,15 +190,11 @@ def validate(run: Run) -> dict:
     run.model.eval()
     batch = run.config.validation.batch_size or run.config.train.batch_size
     limit = run.config.validation.max_samples
-    sums = None
-    for x, y in agreed(run, eval_batches(run.val_set, batch_size=batch, dp=run.dp, grid=run.grid,
-                                         spatial_rank=run.spatial_mesh.get_local_rank(), limit=limit)):
-        out = run.model(x.to(run.device)).double()
-        part = _regression_sums(out, y.to(run.device)) if run.loss_name == "mse" else _dice_sums(out, y.to(run.device))
-        sums = part if sums is None else sums + part
-    if sums is None:  # this dp rank had no samples (fewer samples than dp groups)
-        size = 4 if run.loss_name == "mse" else 3 * num_classes(run.config)
-        sums = torch.zeros(size, dtype=torch.float64, device=run.device)
+    sums = 0
+    for x, y, num_valid in agreed(run, eval_batches(run.val_set, batch_size=batch, dp=run.dp, grid=run.grid,
+                                                    spatial_rank=run.spatial_mesh.get_local_rank(), limit=limit)):
+        out, y = run.model(x.to(run.device))[:num_valid].double(), y[:num_valid].to(run.device)
+        sums = sums + (_regression_sums(out, y) if run.loss_name == "mse" else _dice_sums(out, y))
     if run.loss_name == "mse":
         dist.all_reduce(sums, group=run.mesh["dp"].get_group())
         return {"mae": float(sums[0] / sums[2]), "mse": float(sums[1] / sums[2]), "samples": int(sums[3])}
