@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import h5py
+import numpy as np
 
 CONFIG = """
 run_dir = "{run}"
@@ -64,37 +68,98 @@ def generate(data: Path, universe: int, num_train: int, num_val: int) -> None:
 
 
 def train(args, data: Path, crop: int, spatial: list[int], seed: int) -> list[dict]:
+    """One ``hybridpar train`` run; its validation records. A finished run of the very same config is
+    reused (``--fresh`` trains again), so seeds can be added to a documented run."""
     run = args.out / f"crop{crop}_seed{seed}"
     config = args.out / f"crop{crop}_seed{seed}.toml"
-    config.write_text(CONFIG.format(run=run, data=data, crop=crop, spatial=spatial, steps=args.steps,
-                                    batch=args.batch, every=max(1, args.steps // 8), base=args.base_channels,
-                                    lr=args.lr, seed=seed, blocks=args.num_blocks, pooling=args.pooling,
-                                    batch_norm=str(args.batch_norm).lower()))
-    if run.exists():
-        subprocess.run(["rm", "-rf", str(run)], check=True)
-    nproc = spatial[0] * spatial[1] * spatial[2]
-    subprocess.run([sys.executable, "-m", "hybridpar", "train", str(config), "--nproc", str(nproc)], check=True,
-                   env=dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc))))
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["split"] == "val"]
+    text = CONFIG.format(run=run, data=data, crop=crop, spatial=spatial, steps=args.steps, batch=args.batch,
+                         every=max(1, args.steps // 8), base=args.base_channels, lr=args.lr, seed=seed,
+                         blocks=args.num_blocks, pooling=args.pooling, batch_norm=str(args.batch_norm).lower())
+    if args.fresh or not (config.exists() and config.read_text() == text and _finished(run, args.steps)):
+        config.write_text(text)
+        shutil.rmtree(run, ignore_errors=True)
+        nproc = spatial[0] * spatial[1] * spatial[2]
+        subprocess.run([sys.executable, "-m", "hybridpar", "train", str(config), "--nproc", str(nproc)], check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc))))
+    else:
+        print(f"reusing {run} (the same config, finished)")
+    return [r for r in _records(run) if r["split"] == "val"]
 
 
-def plot(curves: dict[int, list[list[dict]]], path: Path) -> None:
+def _records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _finished(run: Path, steps: int) -> bool:
+    return any(r["split"] == "val" and r["step"] == steps for r in _records(run))
+
+
+K_BANDS = ((0.1, 0.3), (0.3, 0.6), (0.6, 1.0), (1.0, 1.6), (1.6, 2.5))  # rad / cell
+
+
+def summary_statistics(path: Path, crop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hand-made features of one crop: per channel, mean and std of log1p(counts) and the log power of the
+    density contrast in ``K_BANDS``; and the target ``unitPar``."""
+    with h5py.File(path, "r") as f:
+        counts = f["full"][:crop, :crop, :crop].astype(np.float32)  # (D, H, W, C)
+        target = f["unitPar"][()]
+    k1 = 2 * np.pi * np.fft.fftfreq(crop)
+    k = np.sqrt(k1[:, None, None] ** 2 + k1[None, :, None] ** 2 + (2 * np.pi * np.fft.rfftfreq(crop)) ** 2)
+    features = []
+    for c in range(counts.shape[-1]):
+        logs = np.log1p(counts[..., c])
+        contrast = counts[..., c] / counts[..., c].mean() - 1
+        power = np.abs(np.fft.rfftn(contrast)) ** 2 / contrast.size
+        features += [logs.mean(), logs.std()] + [np.log(power[(k >= lo) & (k < hi)].mean()) for lo, hi in K_BANDS]
+    return np.array(features), target
+
+
+def statistics_baseline(data: Path, crop: int) -> float:
+    """Validation MAE of a ridge regression on ``summary_statistics``: how much the crops tell about the
+    parameters through statistics a cosmologist would compute, with no network at all."""
+    def load(split):
+        pairs = [summary_statistics(p, crop) for p in sorted((data / split).glob("*.h5"))]
+        return np.array([a for a, _ in pairs]), np.array([b for _, b in pairs])
+
+    (x, y), (x_val, y_val) = load("train"), load("val")
+    mean, std = x.mean(0), x.std(0) + 1e-9
+    design = np.c_[(x - mean) / std, np.ones(len(x))]
+    weights = np.linalg.solve(design.T @ design + np.eye(design.shape[1]), design.T @ y)  # ridge, lambda = 1
+    return float(np.abs(np.c_[(x_val - mean) / std, np.ones(len(x_val))] @ weights - y_val).mean())
+
+
+def plot(curves: dict[int, list[list[dict]]], baseline: dict[int, float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for crop, runs in curves.items():
-        steps = [r["step"] for r in runs[0]]
-        mean = [sum(run[i]["mae"] for run in runs) / len(runs) for i in range(len(steps))]
-        ax.plot(steps, mean, marker="o", label=f"{crop}$^3$ crops")
-    ax.axhline(0.5, color="grey", linestyle=":", label="predicting 0 (no information)")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("validation MAE (parameters in [-1, 1])")
-    ax.set_title("CosmoFlow on synthetic universes: larger samples, better accuracy", fontsize=9)
-    ax.legend()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    crops = sorted(curves)
+    finals = {c: [run[-1]["mae"] for run in curves[c]] for c in crops}
+    for c in crops:
+        left.scatter([c] * len(finals[c]), finals[c], color="tab:blue", alpha=0.4, s=18)
+    left.plot(crops, [np.mean(finals[c]) for c in crops], marker="o", color="tab:blue",
+              label=f"CosmoFlow, mean of {len(curves[crops[0]])} seed(s)")
+    left.plot(crops, [baseline[c] for c in crops], marker="s", linestyle="--", color="tab:green",
+              label="ridge fit on summary statistics")
+    left.axhline(0.5, color="grey", linestyle=":", label="predicting 0 (no information)")
+    left.set_xscale("log", base=2)
+    left.set_xticks(crops, [f"{c}$^3$" for c in crops])
+    left.set_xlabel("sample (crop) size")
+    left.set_ylabel("final validation MAE (parameters in [-1, 1])")
+    left.legend(fontsize=8)
+    for c in crops:
+        steps = [r["step"] for r in curves[c][0]]
+        right.plot(steps, [np.mean([run[i]["mae"] for run in curves[c]]) for i in range(len(steps))], marker="o",
+                   label=f"{c}$^3$")
+    right.set_ylim(0, 1.3)
+    right.set_xlabel("training step")
+    right.set_ylabel("validation MAE (batch-norm running statistics)")
+    right.legend(fontsize=8)
+    fig.suptitle("CosmoFlow on synthetic universes: the same universes, steps and samples; larger samples, "
+                 "better accuracy", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -121,6 +186,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/sample_size"))
     parser.add_argument("--plot", type=Path, default=Path("docs/sample_size.png"))
     parser.add_argument("--quick", action="store_true", help="small universes and crops: a smoke test")
+    parser.add_argument("--fresh", action="store_true", help="train again even where a finished run of the same "
+                        "config exists")
     args = parser.parse_args()
     if args.quick:
         args.universe, args.crops, args.num_train, args.num_val = 64, [32, 64], 8, 4
@@ -132,13 +199,17 @@ def main() -> int:
     for crop in args.crops:
         spatial = [2, 1, 1] if crop == max(args.crops) else [1, 1, 1]
         curves[crop] = [train(args, args.data, crop, spatial, seed) for seed in args.seeds]
-    finals = {crop: sum(run[-1]["mae"] for run in runs) / len(runs) for crop, runs in curves.items()}
-    print(f"\n| crop | voxels per sample | spatial parallelism | final validation MAE ({len(args.seeds)} seed(s)) "
-          f"| MAE / MAE at {args.crops[0]}^3 |\n|---|---|---|---|---|")
+    baseline = {crop: statistics_baseline(args.data, crop) for crop in args.crops}
+    finals = {crop: float(np.mean([run[-1]["mae"] for run in runs])) for crop, runs in curves.items()}
+    print(f"\n| crop | voxels per sample | spatial parallelism | final validation MAE, mean of {len(args.seeds)} "
+          f"seed(s) | per seed | MAE / MAE at {args.crops[0]}^3 | ridge fit on summary statistics |\n"
+          f"|---|---|---|---|---|---|---|")
     for crop, mae in finals.items():
         par = "depth split in 2 (2 ranks)" if crop == max(args.crops) else "none (1 rank)"
-        print(f"| {crop}^3 | {crop ** 3:,} | {par} | {mae:.4f} | {mae / finals[args.crops[0]]:.3f} |")
-    plot(curves, args.plot)
+        seeds = ", ".join(f"{run[-1]['mae']:.3f}" for run in curves[crop])
+        print(f"| {crop}^3 | {crop ** 3:,} | {par} | {mae:.4f} | {seeds} | {mae / finals[args.crops[0]]:.3f} "
+              f"| {baseline[crop]:.4f} |")
+    plot(curves, baseline, args.plot)
     print(f"\nplot: {args.plot}")
     ordered = [finals[c] for c in sorted(finals)]
     improves = all(b < a for a, b in zip(ordered, ordered[1:]))

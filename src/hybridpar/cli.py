@@ -117,10 +117,11 @@ def _train(args, console: Console) -> int:
     if done < result["total_steps"]:
         console.print(f"stopped after step {done} of {result['total_steps']}; continue with --resume")
     if result["val"]:
-        console.print(f"final validation: {format_metrics(result['val'])}", highlight=False)
+        console.print(f"final validation: {format_metrics(result['val'])}", highlight=False, soft_wrap=True)
     mib = [b / 2**20 for b in result["bytes_read_per_rank"]]
     console.print(f"trained steps {result['start_step']}..{done} in {result['time_s']:.1f} s; read per rank "
-                  f"{', '.join(f'{m:.1f}' for m in mib)} MiB; outputs in {config.run_dir}", highlight=False)
+                  f"{', '.join(f'{m:.1f}' for m in mib)} MiB; outputs in {config.run_dir}", highlight=False,
+                  soft_wrap=True)
     return 0
 
 

@@ -197,7 +197,9 @@ def validate(run: Run) -> dict:
         sums = sums + (_regression_sums(out, y) if run.loss_name == "mse" else _dice_sums(out, y))
     if run.loss_name == "mse":
         dist.all_reduce(sums, group=run.mesh["dp"].get_group())
-        return {"mae": float(sums[0] / sums[2]), "mse": float(sums[1] / sums[2]), "samples": int(sums[3])}
+        per_output = (sums[4:] / sums[3]).tolist()
+        return {"mae": float(sums[0] / sums[2]), "mse": float(sums[1] / sums[2]), "samples": int(sums[3]),
+                **{f"mae_{i}": v for i, v in enumerate(per_output)}}
     dist.all_reduce(sums, group=flat_group(run.mesh, ("dp", "spatial")))
     inter, pred, true = sums.view(3, -1)[:, 1:]  # foreground classes only
     dice = (2 * inter / (pred + true).clamp_min(1)).tolist()
@@ -205,8 +207,10 @@ def validate(run: Run) -> dict:
 
 
 def _regression_sums(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """|error|, error^2, entries, samples, then |error| per output, summed over the batch."""
     err = out - y.double()
-    return torch.stack([err.abs().sum(), (err ** 2).sum(), err.new_tensor(err.numel()), err.new_tensor(len(err))])
+    totals = torch.stack([err.abs().sum(), (err ** 2).sum(), err.new_tensor(err.numel()), err.new_tensor(len(err))])
+    return torch.cat([totals, err.abs().sum(0)])
 
 
 def _dice_sums(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

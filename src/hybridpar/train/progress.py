@@ -41,9 +41,9 @@ class Progress:
             rate = (step - last_step) * self.samples_per_step / max(now - last_time, 1e-9)
             self._last = (step, now)
             self.console.print(f"step {step:>6}/{self.stop}  loss {record['loss']:.5f}  lr {record['lr']:.2e}  "
-                               f"{rate:.1f} samples/s", highlight=False)
+                               f"{rate:.1f} samples/s", highlight=False, soft_wrap=True)
 
     def validated(self, step: int, metrics: dict) -> None:
         if self.show:
             self.console.print(f"step {step:>6}/{self.stop}  [bold]validation[/]  {format_metrics(metrics)}",
-                               highlight=False)
+                               highlight=False, soft_wrap=True)  # one line per record, even in 80-column logs
