@@ -7,24 +7,26 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.errors import DataError
-from hybridpar.train.loop import agreed
+from hybridpar.train.loop import _check_same_data, agreed
 
 HANG = 30  # seconds: a rank that kept going would wait in the all-reduce below; the harness calls it a hang
 
 
-def _batches(fail_at: int | None):
-    for i in range(4):
+def _batches(fail_at: int | None, count: int = 4):
+    for i in range(count):
         if i == fail_at:
             raise DataError(f"sample {i} on rank {dist.get_rank()} is broken")
         yield i
 
 
-def consume(fail_rank: int | None) -> tuple[list[int], str | None]:
-    """Iterate, doing one collective per batch as training does; returns the batches seen and the error."""
+def consume(fail_rank: int | None, short_rank: int | None = None) -> tuple[list[int], str | None]:
+    """Iterate, doing one collective per batch as training does; returns the batches seen and the error.
+    ``fail_rank`` fails reading batch 2; ``short_rank`` has only 3 batches."""
     run = SimpleNamespace(device=torch.device("cpu"))
+    rank = dist.get_rank()
     seen = []
     try:
-        for item in agreed(run, _batches(2 if dist.get_rank() == fail_rank else None)):
+        for item in agreed(run, _batches(2 if rank == fail_rank else None, 3 if rank == short_rank else 4)):
             dist.all_reduce(torch.ones(1))
             seen.append(item)
     except DataError as err:
@@ -39,3 +41,27 @@ def test_error_on_one_rank_stops_all_ranks_at_the_same_batch(dist4):
 
 def test_no_error_yields_every_batch(dist2):
     assert dist2.run(consume, timeout=HANG, fail_rank=None) == [([0, 1, 2, 3], None)] * 2
+
+
+def test_ranks_running_out_at_different_steps_is_an_error_everywhere(dist2):
+    results = dist2.run(consume, timeout=HANG, fail_rank=None, short_rank=0)
+    assert [seen for seen, _ in results] == [[0, 1, 2]] * 2
+    assert all("ran out of batches at different steps" in error for _, error in results)
+
+
+def check_files(odd_rank: int | None) -> str | None:
+    """``_check_same_data`` where ``odd_rank`` skipped one file the others could read."""
+    names = ["a.h5", "b.h5", "c.h5"][: 2 if dist.get_rank() == odd_rank else 3]
+    train_set = SimpleNamespace(infos=[SimpleNamespace(path=name) for name in names])
+    try:
+        _check_same_data(SimpleNamespace(train_set=train_set, val_set=None))
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_with_other_data_files_are_refused(dist2):
+    assert dist2.run(check_files, timeout=HANG, odd_rank=None) == [None, None]
+    errors = dist2.run(check_files, timeout=HANG, odd_rank=1)
+    assert errors[0] == errors[1] and "rank 1 sees other data files than rank 0" in errors[0]
+    assert "usable training / validation files: 2 vs 3)" in errors[0]

@@ -214,11 +214,29 @@ def test_run_dir_of_a_run_without_checkpoint(tmp_path, cosmo_data):
     assert (tmp_path / "run" / "metrics.jsonl").read_text().startswith('{"step": 1'), "the old metrics are kept"
 
 
-def test_labels_beyond_the_classes_stop_every_rank_with_one_error(tmp_path, seg_data):
-    # the labels run 0..2: with num_classes = 2 the ranks whose slabs hold a 2 fail while reading, the
-    # others are told at the same step and stop too (no rank is left waiting in a collective)
-    cfg = write_config(tmp_path / "u.toml", UNET, run=tmp_path / "run", data=seg_data, spatial=[1, 2, 1],
-                       num_classes=2)
+def _labelled(root: Path, num_files: int) -> Path:
+    """Volumes of 16^3 labelled 0 and 1, but for one voxel labelled 2 in the upper half of each H dim."""
+    import h5py
+    import numpy as np
+
+    for split in ("train", "val"):
+        (root / split).mkdir(parents=True)
+        for i in range(num_files):
+            label = np.zeros((16, 16, 16), np.uint8)
+            label[:, 8:] = 1
+            label[3, 12, 5] = 2
+            with h5py.File(root / split / f"seg_{i}.h5", "w") as f:
+                f["image"] = np.random.default_rng(i).normal(size=(1, 16, 16, 16)).astype(np.float32)
+                f["label"] = label
+                f.attrs["layout"] = "CDHW"
+    return root
+
+
+def test_labels_beyond_the_classes_stop_every_rank_with_one_error(tmp_path):
+    # spatial = [1, 2, 1]: only rank 1 reads the slab with the 2 and fails; rank 0 is told at the same
+    # step and stops with rank 1's message instead of waiting for it in the halo exchange
+    cfg = write_config(tmp_path / "u.toml", UNET, run=tmp_path / "run", data=_labelled(tmp_path / "d", 2),
+                       spatial=[1, 2, 1], num_classes=2)
     expect_error("train", cfg, "--nproc", 2, match="num_classes = 2, so labels must lie in 0..1")
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "a run that failed before any step leaves no metrics"
 

@@ -14,7 +14,7 @@ import io
 import itertools
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,7 +149,7 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
 
 def _most_common(keys: list[tuple]) -> tuple | None:
     """The most frequent key, the earliest on a tie (``None`` for no keys)."""
-    return max(keys, key=lambda k: (keys.count(k), -keys.index(k)), default=None)
+    return Counter(keys).most_common(1)[0][0] if keys else None
 
 
 def _tiles(spatial: tuple[int, ...], crop: int | None) -> list[tuple[int, ...]]:
@@ -261,7 +261,7 @@ class SlabDataset:
             select = box + (slice(None),) if info.layout == "channels_last" else (slice(None),) + box
             x = f[self.fmt.input][select]
             y = f[self.fmt.target][box] if self.fmt.target_kind == "volume" else f[self.fmt.target][()]
-        except OSError as err:
+        except (OSError, KeyError, ValueError) as err:  # a file changed or broke since it was checked
             raise DataError(f"{info.path} (sample {index}): reading slab {box} failed ({err})") from None
         x = np.moveaxis(x, 3, 0) if info.layout == "channels_last" else x
         x = torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)

@@ -59,7 +59,7 @@ class CosmoFlow(nn.Module):
         _init_like_keras(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (N, C, S, S, S) -> (N, base * 2**(blocks - 1), 4, 4, 4) -> (N, num_outputs)
+        # (N, C, S, S, S) -> (N, base * 2**(blocks - 1), S / 2**blocks, ...) -> (N, num_outputs)
         return self.head(self.features(x))
 
     def check_input_size(self, size: int) -> None:

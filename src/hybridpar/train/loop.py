@@ -9,6 +9,7 @@ deterministic sampler, so a run resumed from a checkpoint repeats the uninterrup
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 import time
@@ -245,6 +246,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     resume_from = prepare_run_dir(config, resume)
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
     run = setup(config)
+    _check_same_data(run)
     start = checkpoint.load(resume_from, run.model, run.optimizer) if resume_from else 0
     stop = min(run.total_steps, stop_after or run.total_steps)
     is_root = dist.get_rank() == 0
@@ -267,13 +269,14 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
             log.log(record)
             progress.advance(record)
             summary["loss"] = loss
+            # the checkpoint first: a validation file that fails to read then loses no training
+            if _due(done, config.checkpoint.every, stop, run.total_steps):
+                summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.model,
+                                                            run.optimizer, keep=config.checkpoint.keep))
             if run.val_set is not None and _due(done, config.validation.every, stop, run.total_steps):
                 summary["val"] = validate(run)
                 log.log({"step": done, "split": "val", **summary["val"]})
                 progress.validated(done, summary["val"])
-            if _due(done, config.checkpoint.every, stop, run.total_steps):
-                summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.model,
-                                                            run.optimizer, keep=config.checkpoint.keep))
     summary["time_s"] = time.perf_counter() - begin
     summary["bytes_read_per_rank"] = _gather(run.train_set.bytes_read)
     log.close()
@@ -293,25 +296,50 @@ def _report_skipped(run: Run) -> None:
                   f"first: {why}", file=sys.stderr, flush=True)
 
 
+ITEM, EXHAUSTED, ERROR = 0, 1, 2
+
+
 def agreed(run: Run, batches):
     """``batches``, with a data error on any rank (a file that changed or broke since the checks, a label
     out of range) raised on every rank at the same step, so no rank waits forever in a collective for
-    one that stopped. Every rank iterates over the same number of batches."""
+    one that stopped. Ranks that run out of batches at different steps (their data differ) are an error
+    on every rank too."""
     batches = iter(batches)
     while True:
         try:
-            item, error = next(batches), None
+            item, state, error = next(batches), ITEM, None
         except StopIteration:
-            return
+            item, state, error = None, EXHAUSTED, None
         except DataError as err:
-            item, error = None, str(err)
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=run.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+            item, state, error = None, ERROR, str(err)
+        seen = torch.zeros(3, dtype=torch.int32, device=run.device)
+        seen[state] = 1
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # which states any rank is in
+        if seen[ERROR]:
             errors = [None] * dist.get_world_size()
             dist.all_gather_object(errors, error)
             raise DataError(next(e for e in errors if e is not None))
+        if seen[ITEM] and seen[EXHAUSTED]:
+            raise DataError("the ranks ran out of batches at different steps: their data sets differ (files that "
+                            "changed while the run started?); put the data where every rank sees the same files")
+        if state == EXHAUSTED:
+            return
         yield item
+
+
+def _check_same_data(run: Run) -> None:
+    """Every rank must have built the same data sets (the same usable files): with ``data.skip_bad`` on a
+    filesystem that changes under the run, they could differ, and would then read different samples."""
+    sets = [d for d in (run.train_set, run.val_set) if d is not None]
+    paths = "\n".join(str(info.path) for d in sets for info in d.infos)
+    mine = (tuple(len(d.infos) for d in sets), hashlib.sha256(paths.encode()).hexdigest())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            counts = [" / ".join(map(str, counts)) for counts, _ in (theirs, everyone[0])]
+            raise DataError(f"rank {rank} sees other data files than rank 0 (usable training / validation files: "
+                            f"{counts[0]} vs {counts[1]}); put the data where every rank sees the same files")
 
 
 def _due(done: int, every: int, stop: int, total: int) -> bool:
