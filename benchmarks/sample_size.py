@@ -1,12 +1,14 @@
 """The lead paper's headline in miniature: larger samples give better accuracy.
 
 The same synthetic universes (128^3), the same number of training steps and samples, one crop per
-universe of 32^3, 64^3 or the whole 128^3 (trained with spatial parallelism, the depth split in two).
-Each run is a real ``hybridpar train``; the script prints validation MAE per crop size side by side,
-writes a markdown table and a PNG plot of validation MAE against training steps.
+universe of 32^3, 64^3 or the whole 128^3 (trained with spatial parallelism, the depth split in two), and
+the same network for every crop (3 conv blocks, global average pooling: the same parameters, only the
+volume it averages over grows). Each run is a real ``hybridpar train``; the script prints the final
+validation MAE per crop size side by side (mean and per seed), next to a ridge fit on hand-made summary
+statistics of the same crops, and writes a PNG plot.
 
-    python benchmarks/sample_size.py                      # the documented run (about 15 minutes here)
-    python benchmarks/sample_size.py --steps 40 --quick   # a smoke test
+    python benchmarks/sample_size.py --seeds 0 1 2         # the documented run (about 25 minutes a seed here)
+    python benchmarks/sample_size.py --steps 40 --quick    # a smoke test (its own folder, runs/sample_size/quick)
 """
 
 from __future__ import annotations
