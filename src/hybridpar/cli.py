@@ -60,6 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     cosmo.add_argument("--channels-first", action="store_true", help="store (4, S, S, S) instead of (S, S, S, 4)")
     seg.add_argument("--num-classes", type=int, default=3, help="classes including background (default 3)")
     seg.add_argument("--channels-last", action="store_true", help="store (S, S, S, 1) instead of (1, S, S, S)")
+    cal = sub.add_parser("calibrate", help="measure this machine split into N worker processes and write a "
+                                           "cluster TOML for the planner (docs/cluster.md)")
+    cal.add_argument("--nproc", type=_positive, default=None,
+                     help="worker processes, each one device of the spec (default: the number of CPU cores)")
+    cal.add_argument("--out", default="cluster.toml", help="the TOML file to write (default cluster.toml)")
+    cal.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                     help="dtype of the compute measurements (default float32)")
+    cal.add_argument("--quick", action="store_true", help="fewer repeats and message sizes (seconds, noisier)")
+    cal.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser
 
 
@@ -148,11 +157,36 @@ def _data(args, console: Console) -> int:
     return 0
 
 
+def _calibrate(args, console: Console) -> int:
+    import os
+    from pathlib import Path
+
+    from hybridpar.calibrate import calibrate, summary
+    from hybridpar.plan.io import write_cluster
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise HybridparError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    nproc = args.nproc or os.cpu_count() or 1
+    console.print(f"[bold]hybridpar calibrate[/]: this machine as {nproc} device{'s' if nproc > 1 else ''}, one worker "
+                  f"process each, all measured at once; {args.dtype}{', quick' if args.quick else ''}", soft_wrap=True)
+    result = calibrate(nproc, args.dtype, args.quick)
+    table = Table("measured (per worker)", "value", "unit")
+    for row in summary(result):
+        table.add_row(*row)
+    console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
+    write_cluster(result.spec, out, comment=result.comment)
+    console.print(f"wrote {out} (cluster {result.spec.name!r})", highlight=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     try:
-        return {"demo": _demo, "train": _train, "data": _data}[args.command](args, console)
+        return {"demo": _demo, "train": _train, "data": _data, "calibrate": _calibrate}[args.command](args, console)
     except HybridparError as err:
         console = Console(stderr=True)
         console.print("[red]error[/]: ", end="")

@@ -23,3 +23,11 @@ class DataError(HybridparError):
 
 class ConfigError(HybridparError):
     """A training config with an unknown key or a bad value; names the key."""
+
+
+class ClusterError(HybridparError):
+    """A cluster description (preset name, TOML file or ClusterSpec field) that is unknown or out of range."""
+
+
+class PlanError(HybridparError):
+    """A model the planner cannot analyse, a plan that does not fit its model or cluster, or no plan at all."""

@@ -1,0 +1,216 @@
+"""What the planner knows of a cluster: devices, memory, peak FLOP/s, links. Pure: no I/O, no torch.
+
+A :class:`ClusterSpec` describes identical nodes of identical devices. Numbers are in SI base units
+(bytes, bytes/s, seconds, FLOP/s); the TOML form in human units is read and written by ``plan/io.py``.
+``PRESETS`` are one-node data-sheet descriptions; ``spec.with_devices(n)`` scales one to ``n`` devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+
+from hybridpar.errors import ClusterError
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+KINDS = ("matmul", "conv")  # compute kinds with their own efficiency; pointwise ops use memory_bandwidth
+
+GiB = 2**30
+GB = 1e9
+TFLOPS = 1e12
+US = 1e-6
+
+
+class FrozenMap(Mapping):
+    """A read-only, hashable mapping (so a ClusterSpec can be a dict key or a set member)."""
+
+    def __init__(self, items: Mapping):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
+def _check_positive(label: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ClusterError(f"{label} = {value!r}: must be a positive, finite number")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link as seen by one device: point-to-point and (optionally measured) collective performance."""
+
+    bandwidth: float  # bytes/s, point-to-point, one direction, per device
+    latency: float  # seconds per message
+    collective_bandwidth: float | None = None  # bytes/s all-reduce bus bandwidth (nccl-tests); None: bandwidth
+    collective_latency: float | None = None  # seconds per algorithm step of a collective; None: latency
+
+    def __post_init__(self):
+        for field in ("bandwidth", "latency", "collective_bandwidth", "collective_latency"):
+            value = getattr(self, field)
+            if value is not None or field in ("bandwidth", "latency"):
+                _check_positive(f"Link.{field}", value)
+
+    @property
+    def bus_bandwidth(self) -> float:
+        """Bytes/s of the ring model ``2(n-1)/n * bytes / bus_bandwidth`` (all-reduce, nccl-tests busbw)."""
+        return self.bandwidth if self.collective_bandwidth is None else self.collective_bandwidth
+
+    @property
+    def step_latency(self) -> float:
+        """Seconds per algorithm step of a collective (a ring all-reduce has ``2(n-1)`` steps)."""
+        return self.latency if self.collective_latency is None else self.collective_latency
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``num_nodes`` identical nodes of ``devices_per_node`` identical devices."""
+
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    device_memory: float  # bytes per device
+    reserved_memory: float  # bytes per device taken before the model (runtime context, comm buffers, slack)
+    peak_flops: Mapping[str, float]  # FLOP/s per dtype (dense), keys among DTYPES
+    efficiency: Mapping[str, float]  # achievable fraction of peak per compute kind, keys KINDS, each in (0, 1]
+    memory_bandwidth: float  # bytes/s of device memory (pointwise ops, normalisation, pooling)
+    intra_node: Link
+    inter_node: Link
+
+    def __post_init__(self):
+        owner = f"ClusterSpec {self.name!r}"
+        for field in ("peak_flops", "efficiency"):
+            if not isinstance(getattr(self, field), Mapping):
+                raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a mapping, e.g. a dict")
+            object.__setattr__(self, field, FrozenMap(getattr(self, field)))
+        if not isinstance(self.name, str) or not self.name:
+            raise ClusterError(f"ClusterSpec.name = {self.name!r}: give a non-empty name, e.g. 'a100-80'")
+        for field in ("num_nodes", "devices_per_node"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClusterError(f"{owner}: {field} = {value!r}: must be a whole number >= 1")
+        for field in ("device_memory", "memory_bandwidth"):
+            _check_positive(f"{owner}: {field}", getattr(self, field))
+        self._check_reserved(owner)
+        self._check_flops(owner)
+        for field in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, field), Link):
+                raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a Link")
+
+    def _check_reserved(self, owner: str) -> None:
+        value = self.reserved_memory
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+            raise ClusterError(f"{owner}: reserved_memory = {value!r}: must be a finite number >= 0 (bytes)")
+        if value >= self.device_memory:
+            raise ClusterError(f"{owner}: reserved_memory ({value / GiB:.3g} GiB) leaves nothing of device_memory "
+                               f"({self.device_memory / GiB:.3g} GiB); make it smaller")
+
+    def _check_flops(self, owner: str) -> None:
+        if not self.peak_flops:
+            raise ClusterError(f"{owner}: peak_flops is empty; give FLOP/s for at least one of {', '.join(DTYPES)}")
+        for dtype, value in self.peak_flops.items():
+            if dtype not in DTYPES:
+                raise ClusterError(f"{owner}: peak_flops[{dtype!r}]: unknown dtype; use {', '.join(DTYPES)}")
+            _check_positive(f"{owner}: peak_flops.{dtype}", value)
+        if set(self.efficiency) != set(KINDS):
+            given = ", ".join(sorted(map(str, self.efficiency))) or "none"
+            raise ClusterError(f"{owner}: efficiency has keys {given}; give exactly {', '.join(KINDS)}")
+        for kind, value in self.efficiency.items():
+            _check_positive(f"{owner}: efficiency.{kind}", value)
+            if value > 1:
+                raise ClusterError(f"{owner}: efficiency.{kind} = {value!r}: a fraction of peak, in (0, 1]")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def flops(self, dtype: str, kind: str) -> float:
+        """Achievable FLOP/s of one device: ``peak_flops[dtype] * efficiency[kind]``."""
+        if dtype not in self.peak_flops:
+            raise ClusterError(f"cluster {self.name!r} has no peak FLOP/s for dtype {dtype!r}; it knows "
+                               f"{', '.join(self.peak_flops)} (add [peak_tflops] {dtype} to its TOML file)")
+        if kind not in self.efficiency:
+            raise ClusterError(f"compute kind {kind!r} is unknown; use {', '.join(KINDS)}")
+        return self.peak_flops[dtype] * self.efficiency[kind]
+
+    def with_devices(self, n: int) -> ClusterSpec:
+        """The same hardware with ``n`` devices in all: one node of ``n`` or ``n / devices_per_node`` full nodes."""
+        per_node = self.devices_per_node
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ClusterError(f"{n!r} devices: give a whole number >= 1")
+        if n <= per_node:
+            return replace(self, num_nodes=1, devices_per_node=n)
+        if n % per_node:
+            below, above = n // per_node * per_node, (n // per_node + 1) * per_node
+            raise ClusterError(f"{n:,} devices: not a whole number of {per_node}-device {self.name} nodes; use a "
+                               f"multiple of {per_node} (e.g. {below:,} or {above:,})")
+        return replace(self, num_nodes=n // per_node)
+
+    def link(self, num_devices_in_group: int, spans_nodes: bool) -> Link:
+        """The link a group of devices talks over: ``inter_node`` when it spans nodes, else ``intra_node``."""
+        if num_devices_in_group < 1:
+            raise ClusterError(f"a group of {num_devices_in_group} devices: give at least 1")
+        if not spans_nodes and num_devices_in_group > self.devices_per_node:
+            raise ClusterError(f"a group of {num_devices_in_group} devices cannot stay inside one "
+                               f"{self.devices_per_node}-device {self.name} node; pass spans_nodes=True")
+        return self.inter_node if spans_nodes else self.intra_node
+
+
+def _one_node(name: str, memory_gib: float, hbm_gbs: float, tflops: dict, link_gbs: float, nic_gbs: float,
+              link_us: float = 3, nic_us: float = 5) -> ClusterSpec:
+    """A node of 8 devices; bandwidths in GB/s per device per direction, latencies in microseconds."""
+    # Typical values, not measured: matmul reaches ~60% of peak, 3D conv ~45%; ~2 GiB per device go to
+    # the runtime context (CUDA, ROCm), NCCL/RCCL buffers and allocator slack.
+    # `hybridpar calibrate` or a TOML file (docs/cluster.md) overrides them.
+    return ClusterSpec(
+        name=name, num_nodes=1, devices_per_node=8, device_memory=memory_gib * GiB,
+        reserved_memory=2 * GiB, peak_flops={k: v * TFLOPS for k, v in tflops.items()},
+        efficiency={"matmul": 0.6, "conv": 0.45}, memory_bandwidth=hbm_gbs * GB,
+        intra_node=Link(bandwidth=link_gbs * GB, latency=link_us * US),
+        inter_node=Link(bandwidth=nic_gbs * GB, latency=nic_us * US),
+    )
+
+
+# Link bandwidths are per device, per direction; inter_node is the node's NICs divided among its devices.
+PRESETS: dict[str, ClusterSpec] = {
+    # NVIDIA V100 SXM2 32 GB data sheet; DGX-1V: NVLink2 6 x 25 GB/s, 4 x 100 Gb/s EDR IB per node. No bfloat16.
+    "v100": _one_node("v100", 32, 900, {"float64": 7.8, "float32": 15.7, "float16": 125}, 150, 6.25),
+    # NVIDIA A100 SXM4 40 GB data sheet (fp64 tensor core 19.5); DGX A100: NVLink3, 8 x 200 Gb/s HDR IB.
+    "a100-40": _one_node("a100-40", 40, 1555, {"float64": 19.5, "float32": 19.5, "bfloat16": 312, "float16": 312},
+                         300, 25),
+    # NVIDIA A100 SXM4 80 GB data sheet (HBM2e 2,039 GB/s); DGX A100: NVLink3, 8 x 200 Gb/s HDR IB.
+    "a100-80": _one_node("a100-80", 80, 2039, {"float64": 19.5, "float32": 19.5, "bfloat16": 312, "float16": 312},
+                         300, 25),
+    # NVIDIA H100 SXM5 80 GB data sheet (fp64 tensor core 67, bf16 989.5 dense); DGX H100: NVLink4 900 GB/s
+    # both directions, 8 x 400 Gb/s NDR IB.
+    "h100": _one_node("h100", 80, 3350, {"float64": 67, "float32": 67, "bfloat16": 989.5, "float16": 989.5},
+                      450, 50),
+    # NVIDIA H200 SXM 141 GB data sheet (HBM3e 4.8 TB/s; nvidia-smi shows ~140 GiB); DGX H200: NVLink4, 8 x 400 Gb/s.
+    "h200": _one_node("h200", 140, 4800, {"float64": 67, "float32": 67, "bfloat16": 989.5, "float16": 989.5},
+                      450, 50),
+    # AMD Instinct MI250X data sheet, one GCD (half an OAM) per device: fp64/fp32 matrix 47.85, fp16/bf16 191.5,
+    # 64 GiB HBM2e at 1.64 TB/s. Frontier node: 8 GCDs; one 50 GB/s Infinity Fabric link between packages (the
+    # slowest hop of a ring; 200 GB/s inside a package); Slingshot 4 x 25 GB/s per node.
+    "mi250x": _one_node("mi250x", 64, 1638.4, {"float64": 47.85, "float32": 47.85, "bfloat16": 191.5,
+                                                "float16": 191.5}, 50, 12.5, link_us=4, nic_us=6),
+}
+
+
+def preset(name: str) -> ClusterSpec:
+    """The one-node preset of that name; scale it with ``.with_devices(n)``."""
+    if name not in PRESETS:
+        raise ClusterError(f"unknown cluster preset {name!r}; presets: {', '.join(PRESETS)} (or give a TOML file)")
+    return PRESETS[name]

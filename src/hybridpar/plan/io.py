@@ -1,0 +1,200 @@
+"""Cluster specs in and out of TOML: the planner's only file I/O. Every key is described in docs/cluster.md.
+
+The file uses human units (GiB, GB/s = 1e9 bytes/s, TFLOP/s, microseconds); a ClusterSpec holds SI units.
+Numbers are converted in decimal (``tomllib`` with ``parse_float=Decimal``), so spec -> TOML -> spec is exact.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from decimal import Decimal
+from pathlib import Path
+
+from hybridpar.errors import ClusterError
+from hybridpar.plan.cluster import DTYPES, KINDS, PRESETS, ClusterSpec, GiB, Link
+
+# unit -> power of ten from the TOML number to SI ("GiB" is binary, handled apart)
+EXP10 = {"GB/s": 9, "TFLOP/s": 12, "us": -6, "fraction": 0}
+TOP = {  # key -> (ClusterSpec field, unit); tables are read by their own functions
+    "name": ("name", "str"), "nodes": ("num_nodes", "int"), "devices_per_node": ("devices_per_node", "int"),
+    "device_memory_gib": ("device_memory", "GiB"), "reserved_memory_gib": ("reserved_memory", "GiB"),
+    "memory_bandwidth_gbs": ("memory_bandwidth", "GB/s"), "peak_tflops": ("peak_flops", "table"),
+    "efficiency": ("efficiency", "table"), "intra_node": ("intra_node", "table"), "inter_node": ("inter_node", "table"),
+}
+LINK = {  # key -> (Link field, unit, required)
+    "bandwidth_gbs": ("bandwidth", "GB/s", True), "latency_us": ("latency", "us", True),
+    "collective_bandwidth_gbs": ("collective_bandwidth", "GB/s", False),
+    "collective_latency_us": ("collective_latency", "us", False),
+}
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """A preset by name (``"a100-80"``), or a ClusterSpec TOML file; errors name the file and the key."""
+    if str(name_or_path) in PRESETS:
+        return PRESETS[str(name_or_path)]
+    path = Path(name_or_path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ClusterError(f"{path}: no such file, and not a preset name; presets: {', '.join(PRESETS)}, "
+                           f"or write one with `hybridpar calibrate`") from None
+    except OSError as err:
+        raise ClusterError(f"{path}: cannot read the cluster file ({err.strerror})") from None
+    return cluster_from_toml(text, str(path))
+
+
+def cluster_from_toml(text: str, source: str = "cluster.toml") -> ClusterSpec:
+    """A ClusterSpec from TOML text; ``source`` (the file name) starts every error message."""
+    try:
+        table = tomllib.loads(text, parse_float=Decimal)
+    except tomllib.TOMLDecodeError as err:
+        raise ClusterError(f"{source}: not valid TOML ({err})") from None
+    try:
+        return _parse(table)
+    except ClusterError as err:
+        raise ClusterError(f"{source}: {err}") from None
+
+
+def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
+    """The TOML text of ``spec`` (``comment``, if any, goes on top as ``#`` lines)."""
+    lines = [f"# {line}".rstrip() for line in comment.splitlines()] + ([""] if comment else [])
+    lines += [f"name = {_string(spec.name)}", f"nodes = {spec.num_nodes}",
+              f"devices_per_node = {spec.devices_per_node}"]
+    for key, (field, unit) in TOP.items():
+        if unit in ("GiB", "GB/s"):
+            lines.append(f"{key} = {_to_toml(getattr(spec, field), unit)}")
+    lines += ["", "[peak_tflops]"]
+    lines += [f"{d} = {_to_toml(spec.peak_flops[d], 'TFLOP/s')}" for d in DTYPES if d in spec.peak_flops]
+    lines += ["", "[efficiency]"] + [f"{k} = {_to_toml(spec.efficiency[k], 'fraction')}" for k in KINDS]
+    for section in ("intra_node", "inter_node"):
+        link = getattr(spec, section)
+        lines += ["", f"[{section}]"]
+        for key, (field, unit, _) in LINK.items():
+            if getattr(link, field) is not None:
+                lines.append(f"{key} = {_to_toml(getattr(link, field), unit)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster(spec: ClusterSpec, path: str | Path, comment: str = "") -> None:
+    """Write ``spec`` as TOML to ``path`` (replacing it; the caller decides whether that is allowed)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(cluster_to_toml(spec, comment))
+    except OSError as err:
+        raise ClusterError(f"{path}: cannot write the cluster file ({err.strerror})") from None
+
+
+def _parse(table: dict) -> ClusterSpec:
+    _check_keys(table, TOP, "", "the top level")
+    values = {}
+    for key, (field, unit) in TOP.items():
+        if unit != "table":
+            values[field] = _value(table, key, "", unit)
+    values["peak_flops"] = _peak_flops(_table(table, "peak_tflops"))
+    values["efficiency"] = _efficiency(_table(table, "efficiency"))
+    for section in ("intra_node", "inter_node"):
+        values[section] = _link(_table(table, section), section)
+    if values["reserved_memory"] >= values["device_memory"]:
+        raise ClusterError(f"reserved_memory_gib = {_to_toml(values['reserved_memory'], 'GiB')} leaves nothing of "
+                           f"device_memory_gib = {_to_toml(values['device_memory'], 'GiB')}; make it smaller")
+    return ClusterSpec(**values)
+
+
+def _peak_flops(table: dict) -> dict[str, float]:
+    _check_keys(table, DTYPES, "peak_tflops.", "[peak_tflops]")
+    if not table:
+        raise ClusterError(f"[peak_tflops] is empty; give dense TFLOP/s for at least one of {', '.join(DTYPES)}")
+    return {dtype: _value(table, dtype, "peak_tflops.", "TFLOP/s") for dtype in table}
+
+
+def _efficiency(table: dict) -> dict[str, float]:
+    _check_keys(table, KINDS, "efficiency.", "[efficiency]")
+    values = {kind: _value(table, kind, "efficiency.", "fraction") for kind in KINDS}
+    for kind, value in values.items():
+        if value > 1:
+            raise ClusterError(f"efficiency.{kind} = {table[kind]}: a fraction of peak, in (0, 1], e.g. 0.6")
+    return values
+
+
+def _link(table: dict, section: str) -> Link:
+    _check_keys(table, LINK, f"{section}.", f"[{section}]")
+    values = {field: _value(table, key, f"{section}.", unit, required)
+              for key, (field, unit, required) in LINK.items()}
+    return Link(**values)
+
+
+def _check_keys(table: dict, allowed, prefix: str, where: str) -> None:
+    unknown = [key for key in table if key not in allowed]
+    if unknown:
+        raise ClusterError(f"unknown key {prefix}{unknown[0]}; {where} takes {', '.join(allowed)}")
+
+
+def _table(table: dict, key: str) -> dict:
+    if key not in table:
+        raise ClusterError(f"missing table [{key}]; see docs/cluster.md")
+    if not isinstance(table[key], dict):
+        raise ClusterError(f"{key} = {_show(table[key])}: expected a table [{key}]")
+    return table[key]
+
+
+def _value(table: dict, key: str, prefix: str, unit: str, required: bool = True):
+    """``table[key]`` checked and converted to SI units; None when an optional key is absent."""
+    full = prefix + key
+    if key not in table:
+        if required:
+            raise ClusterError(f"missing key {full} ({_describe(unit)}); see docs/cluster.md")
+        return None
+    value = table[key]
+    if unit == "str":
+        if not isinstance(value, str) or not value:
+            raise ClusterError(f"{full} = {_show(value)}: expected a non-empty string, e.g. \"a100-80\"")
+        return value
+    if unit == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ClusterError(f"{full} = {_show(value)}: expected a whole number >= 1")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, Decimal)):
+        raise ClusterError(f"{full} = {_show(value)}: expected a number ({_describe(unit)})")
+    zero_ok = key == "reserved_memory_gib"
+    if not Decimal(value).is_finite() or value < 0 or (value == 0 and not zero_ok):
+        bound = "a finite number >= 0" if zero_ok else "a finite number greater than 0"
+        raise ClusterError(f"{full} = {_show(value)}: must be {bound} ({_describe(unit)})")
+    return _from_toml(value, unit)
+
+
+def _describe(unit: str) -> str:
+    return {"GiB": "GiB, 2**30 bytes", "GB/s": "GB/s, 1e9 bytes/s", "TFLOP/s": "TFLOP/s, 1e12 FLOP/s",
+            "us": "microseconds", "fraction": "a fraction of peak in (0, 1]", "int": "a whole number",
+            "str": "a string"}[unit]
+
+
+def _from_toml(value: int | Decimal, unit: str) -> float:
+    if unit == "GiB":
+        return float(value) * GiB  # exact: a power of two
+    return float(Decimal(value).scaleb(EXP10[unit]))  # exact decimal shift, then one rounding
+
+
+def _to_toml(x: float, unit: str) -> str:
+    """The shortest decimal that reads back (by ``_from_toml``) as exactly ``x``."""
+    number = Decimal(repr(float(x) / GiB)) if unit == "GiB" else Decimal(repr(float(x))).scaleb(-EXP10[unit])
+    return format(number.normalize(), "f")
+
+
+def _string(text: str) -> str:
+    escaped = "".join(f"\\{c}" if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+                      for c in text)
+    return f'"{escaped}"'
+
+
+def _show(value) -> str:
+    """A TOML value as it would appear in the file, for error messages."""
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return str(value)

@@ -1,0 +1,224 @@
+"""Per-layer costs of one mesh choice: what each layer costs on one device for each tp strategy.
+
+For a spatial grid, a tp degree and a micro-batch size, ``layer_options`` lists every legal way to run
+each layer with its time (forward + backward, its own communication included) and memory; the tp
+layout of the activation between layers is ``R`` (whole on every tp rank), ``S`` (features / channels
+/ heads split) or ``P`` (partial sums, after a row split). ``transition`` prices the redistribution
+from one layout to another. Everything is per device and per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from hybridpar.errors import GeometryError, PlanError
+from hybridpar.plan import cost
+from hybridpar.plan.cluster import ClusterSpec
+from hybridpar.plan.graph import INPUT, Layer, ModelGraph
+from hybridpar.spatial.geometry import plan_exchange, split_bounds
+
+R, S, P = "R", "S", "P"
+SPATIAL_KINDS = frozenset({"conv", "conv_transpose", "pool", "global_pool", "batch_norm", "group_norm",
+                           "pointwise", "flatten", "upsample", "cat"})
+SHARDABLE = frozenset({"pointwise", "batch_norm", "pool", "upsample"})
+
+
+@dataclass(frozen=True)
+class Option:
+    strategy: str  # replicate, column, row, shard
+    layout_in: str
+    layout_out: str
+    time: float  # forward + backward of one micro-batch, own communication included
+    forward: float  # forward compute (what checkpointing recomputes)
+    comm: dict  # exposed seconds by kind
+    params: float  # parameter bytes on this device (before ZeRO sharding)
+    saved: float  # activation bytes kept for backward, per micro-batch
+    workspace: float  # transient bytes while the layer runs
+    out_bytes: float  # output bytes on this device in layout R
+    in_bytes: float  # bytes of the (first) input on this device in layout R
+
+
+@dataclass(frozen=True)
+class MeshContext:
+    """What the per-layer costs depend on besides the layer."""
+
+    cluster: ClusterSpec = field(compare=False)  # one per search: left out of the hash
+    dtype: str
+    grid: tuple[int, ...]
+    tp: int
+    micro_batch: int
+    spatial_group: cost.Group
+    tp_group: cost.Group
+    norm_group: cost.Group
+    overlap: bool
+
+
+def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
+    """Refuse a spatial grid the runtime would refuse (a slab thinner than its halo, a layer that
+    cannot run on slabs), naming the first layer that breaks; the same rules as ``hybridpar.spatial``."""
+    split = any(p > 1 for p in grid)
+    if not split:
+        return
+    if graph.spatial_ndim != len(grid):
+        raise PlanError(f"spatial grid {grid} has {len(grid)} dims but the model's input {graph.input_shape} has "
+                        f"{graph.spatial_ndim} spatial dims")
+    for layer in graph.layers:
+        if layer.spatial_in:
+            _check_layer_grid(layer, grid)
+
+
+@lru_cache(maxsize=4096)
+def _check_layer_grid(layer: Layer, grid: tuple[int, ...]) -> None:
+    where = f"layer {layer.name!r} ({layer.op})"
+    if layer.kind not in SPATIAL_KINDS:
+        raise PlanError(f"{where} cannot run on slabs of a spatially split volume; use spatial=(1, ...)")
+    out_spatial = layer.out_shape[2:] if layer.kind not in ("global_pool", "flatten") else layer.in_shape[2:]
+    for axis, parts in enumerate(grid):
+        if parts > 1 and min(out_spatial[axis], layer.in_shape[2 + axis]) < parts:
+            raise PlanError(f"{where}: spatial dim {axis} has {min(out_spatial[axis], layer.in_shape[2 + axis])} "
+                            f"rows, fewer than its {parts} parts")
+    for axis, window in enumerate(layer.windows):
+        parts = grid[axis]
+        if parts == 1:
+            continue
+        size, m = layer.in_shape[2 + axis], layer.out_shape[2 + axis]
+        needs = tuple(window.need(*b) for b in split_bounds(m, parts))
+        try:
+            plan_exchange(axis=axis, size=size, parts=parts, needs=needs, boundary=layer.boundary, part=0,
+                          where=where)
+        except GeometryError as err:
+            raise PlanError(str(err)) from None
+
+
+@lru_cache(maxsize=65536)
+def _halo_rows(layer: Layer, grid: tuple[int, ...]) -> tuple[int, ...]:
+    """Rows the worst part receives along each split dim of a windowed layer."""
+    rows = []
+    for axis, window in enumerate(layer.windows):
+        parts = grid[axis]
+        if parts == 1:
+            rows.append(0)
+            continue
+        size, m = layer.in_shape[2 + axis], layer.out_shape[2 + axis]
+        bounds_in, worst = split_bounds(size, parts), 0
+        for (lo, hi), b in zip(bounds_in, split_bounds(m, parts)):
+            start, stop = window.need(*b)
+            worst = max(worst, max(0, lo - max(start, 0)) + max(0, min(stop, size) - hi))
+        rows.append(worst)
+    return tuple(rows)
+
+
+def slab_fraction(shape: tuple[int, ...], grid: tuple[int, ...]) -> float:
+    """The largest slab's share of an ``(N, C, *spatial)`` volume split by ``grid``."""
+    return math.prod(-(-n // p) / n for n, p in zip(shape[2:], grid))
+
+
+def _spatial(layer: Layer, ctx: MeshContext) -> tuple[float, float, dict]:
+    """(fraction of the layer this device computes, bytes per sample of each halo, spatial collectives)."""
+    if not layer.spatial_in or math.prod(ctx.grid) == 1:
+        return 1.0, 0.0, {}
+    fraction = slab_fraction(layer.in_shape if layer.kind in ("global_pool", "flatten") else layer.out_shape,
+                             ctx.grid)
+    halo = 0.0
+    if layer.windows:
+        local_in = [-(-n // p) for n, p in zip(layer.in_shape[2:], ctx.grid)]
+        channels = layer.in_shape[1]
+        for axis, rows in enumerate(_halo_rows(layer, ctx.grid)):
+            section = math.prod(n for a, n in enumerate(local_in) if a != axis)
+            halo += rows * section * channels * layer.dtype_bytes
+    return fraction, halo, {}
+
+
+def layer_options(layer: Layer, graph: ModelGraph, ctx: MeshContext, chain_only: bool) -> tuple[Option, ...]:
+    """Every legal way to run ``layer`` on this mesh (replicate alone when tp is 1)."""
+    scale = ctx.micro_batch / graph.batch
+    fraction, halo_per_sample, _ = _spatial(layer, ctx)
+    strategies = _strategies(layer, ctx.tp, chain_only)
+    return tuple(_option(layer, ctx, s, scale, fraction, halo_per_sample) for s in strategies)
+
+
+def _strategies(layer: Layer, tp: int, chain_only: bool) -> list[tuple[str, str, str]]:
+    out = [("replicate", R, R)]
+    if tp == 1:
+        return out
+    cin, cout = layer.channels
+    if layer.kind in ("conv", "conv_transpose", "linear", "embedding"):
+        if cout and cout % tp == 0:
+            out.append(("column", R, S))
+        if cin and cin % tp == 0:
+            out.append(("row", R if layer.kind == "embedding" else S, P))
+    elif layer.kind == "attention" and layer.heads % tp == 0 and chain_only:
+        out.append(("shard", S, S))
+    elif layer.kind in SHARDABLE and chain_only:
+        out.append(("shard", S, S))
+    return out
+
+
+def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scale: float, fraction: float,
+            halo_per_sample: float) -> Option:
+    name, lin, lout = strategy
+    split = ctx.tp if name != "replicate" else 1
+    params = layer.param_bytes / split
+    act_bytes = (layer.bytes_moved - layer.param_bytes) * scale * fraction / split
+    forward = cost.compute_time(layer.flops * scale * fraction / split, act_bytes + params, layer.kind,
+                                ctx.cluster, ctx.dtype)
+    first = all(p == INPUT for p in layer.inputs) or not layer.inputs or layer.kind == "embedding"
+    backward = forward if (first and layer.has_weight) else 0.0 if first else 2 * forward
+    comm = {}
+    if halo_per_sample:
+        halo_bytes = halo_per_sample * ctx.micro_batch / (split if name in ("row", "shard") else 1)
+        halo = cost.send_time(halo_bytes, ctx.spatial_group.link)
+        comm["halo"] = cost.exposed_halo_time(halo, forward, ctx.overlap) + halo
+    comm.update(_spatial_collectives(layer, ctx, scale, fraction, split))
+    if name == "column" and not first:
+        comm["tp"] = cost.all_reduce_time(_in_bytes(layer) * scale * fraction, ctx.tp_group)
+    saved = layer.saved_bytes * scale * fraction / split
+    out_bytes = layer.out_bytes * scale * (fraction if layer.kind not in ("flatten", "global_pool") else 1.0)
+    workspace = (_in_bytes(layer) * scale * fraction + out_bytes) / split
+    in_bytes = _in_bytes(layer) * scale * _in_fraction(layer, ctx)
+    return Option(name, lin, lout, forward + backward + sum(comm.values()), forward, comm, params, saved,
+                  workspace, out_bytes, in_bytes)
+
+
+def _in_fraction(layer: Layer, ctx: MeshContext) -> float:
+    if not layer.spatial_in or math.prod(ctx.grid) == 1:
+        return 1.0
+    return slab_fraction(layer.in_shape, ctx.grid)
+
+
+def _in_bytes(layer: Layer) -> float:
+    return math.prod(layer.in_shape) * layer.dtype_bytes if layer.in_shape else 0.0
+
+
+def _spatial_collectives(layer: Layer, ctx: MeshContext, scale: float, fraction: float, split: int) -> dict:
+    if not layer.spatial_in or math.prod(ctx.grid) == 1:
+        return {}
+    channels = layer.out_shape[1] if len(layer.out_shape) > 1 else 1
+    if layer.kind == "batch_norm":  # sums and sums of squares, forward and backward
+        stats = 2 * channels / split * 4
+        return {"spatial": 2 * cost.all_reduce_time(stats, ctx.norm_group)}
+    if layer.kind == "group_norm":
+        stats = 2 * ctx.micro_batch * channels / split * 4
+        return {"spatial": 2 * cost.all_reduce_time(stats, ctx.spatial_group)}
+    if layer.kind == "global_pool":
+        return {"spatial": cost.all_reduce_time(layer.out_bytes * scale / split, ctx.spatial_group)}
+    if layer.kind == "flatten":
+        return {"spatial": cost.all_gather_time(layer.out_bytes * scale / split, ctx.spatial_group)}
+    return {}
+
+
+def transition(src: str, dst: str, num_bytes: float, group: cost.Group) -> float:
+    """Forward + backward time to turn an activation of ``num_bytes`` (whole) from layout ``src`` into ``dst``."""
+    if src == dst:
+        return 0.0
+    if (src, dst) == (S, R):
+        return cost.all_gather_time(num_bytes, group)
+    if (src, dst) == (R, S):
+        return cost.all_gather_time(num_bytes, group)  # the gradient comes back split: gather it
+    if (src, dst) == (P, R):
+        return cost.all_reduce_time(num_bytes, group)
+    if (src, dst) == (P, S):
+        return cost.reduce_scatter_time(num_bytes, group) + cost.all_gather_time(num_bytes, group)
+    return math.inf

@@ -1,0 +1,128 @@
+"""The Plan: what the runtime applies, as frozen dataclasses and JSON with a schema version.
+
+A plan written by hand and a plan found by the search are the same type and pass the same
+validation (``hybridpar.plan.validate``). ``layers`` names how each layer uses the ``tp`` axis:
+
+- ``replicate``: every tp rank computes the whole layer;
+- ``column``: output features / filters split (conv: filter parallelism; linear: Megatron's column);
+- ``row``: input features / channels split, outputs summed (conv: channel parallelism; linear: row);
+- ``shard``: works on channel- or head-split activations as they come (pointwise, batch norm, pooling,
+  attention heads).
+
+Layers not listed replicate. ``stages`` gives the first layer of each pipeline stage after the first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from hybridpar.errors import PlanError
+from hybridpar.mesh import ParallelDims
+
+SCHEMA_VERSION = 1
+TP_STRATEGIES = ("replicate", "column", "row", "shard")
+SHARDING_NAMES = {0: "none (DDP)", 1: "optimizer state (ZeRO-1)", 2: "+ gradients (ZeRO-2)", 3: "+ parameters (FSDP)"}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model expects of a plan (per step, per device)."""
+
+    step_time: float
+    compute_time: float
+    memory: dict = field(default_factory=dict)  # bytes by kind, with "total"
+    communication: dict = field(default_factory=dict)  # exposed seconds by kind
+    samples_per_second: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    spatial: tuple[int, ...] = (1,)
+    tp: int = 1
+    pp: int = 1
+    global_batch: int = 1
+    micro_batches: int = 1
+    sharding: int = 0  # ZeRO level over the dp x spatial ranks: 0 DDP, 1, 2, 3 FSDP
+    checkpointing: bool = False
+    stages: tuple[str, ...] = ()  # first layer of each stage after the first
+    layers: tuple[tuple[str, str], ...] = ()  # (layer name, tp strategy) for layers that do not replicate
+    optimizer: str = "adam"
+    dtype: str = "float32"
+    model: str = ""
+    input_shape: tuple[int, ...] = ()
+    cluster: str = ""
+    prediction: Prediction | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "spatial", tuple(self.spatial))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "layers", tuple(tuple(p) for p in self.layers))
+        object.__setattr__(self, "input_shape", tuple(self.input_shape))
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, spatial=self.spatial, tp=self.tp, pp=self.pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    def strategy(self, layer: str) -> str:
+        return dict(self.layers).get(layer, "replicate")
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}"]
+        if any(p > 1 for p in self.spatial):
+            parts.append("spatial=" + "x".join(map(str, self.spatial)))
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp={self.pp} (m={self.micro_batches})")
+        if self.sharding:
+            parts.append(f"zero={self.sharding}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        out = {"schema_version": SCHEMA_VERSION, **asdict(self)}
+        out["layers"] = {name: s for name, s in self.layers}
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @staticmethod
+    def from_dict(data: dict, where: str = "plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"{where}: expected a JSON object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"{where}: schema_version {version!r}; this hybridpar reads version {SCHEMA_VERSION} "
+                            "(re-run `hybridpar plan` to write a current plan)")
+        known = set(Plan.__dataclass_fields__)
+        unknown = sorted(set(data) - known - {"schema_version"})
+        if unknown:
+            raise PlanError(f"{where}: unknown key {unknown[0]!r}; a plan has {', '.join(sorted(known))}")
+        values = dict(data)
+        values.pop("schema_version")
+        layers = values.get("layers", {})
+        if not isinstance(layers, dict):
+            raise PlanError(f"{where}: layers must map layer names to one of {', '.join(TP_STRATEGIES)}")
+        values["layers"] = tuple(layers.items())
+        if values.get("prediction") is not None:
+            values["prediction"] = Prediction(**values["prediction"])
+        try:
+            return Plan(**values)
+        except TypeError as err:
+            raise PlanError(f"{where}: {err}") from None
+
+    @staticmethod
+    def from_json(text: str, where: str = "plan") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{where}: not valid JSON ({err})") from None
+        return Plan.from_dict(data, where)
