@@ -1,0 +1,117 @@
+"""The planner, pure: model analysis on the meta device, cluster specs, the cost model, the search and
+the Plan. It needs no GPUs and no process group; a laptop plans for thousands of devices.
+
+``plan(model, example_input, cluster, **constraints)`` returns the fastest plan that fits;
+``search_plans`` returns the ranked plans and why the other strategies lost; ``validate`` checks and
+prices a hand-written plan with the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hybridpar.errors import HybridparError, PlanError
+from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
+from hybridpar.plan.graph import Layer, ModelGraph, analyse
+from hybridpar.plan.search import Constraints, SearchResult, search
+from hybridpar.plan.types import SCHEMA_VERSION, Plan, Prediction
+from hybridpar.plan.validate import validate
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cluster_of(cluster: ClusterSpec | str) -> ClusterSpec:
+    """A spec as given, or a preset name or TOML file (read by ``plan.io``)."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    from hybridpar.plan.io import load_cluster
+
+    return load_cluster(cluster)
+
+
+def graph_of(model: nn.Module | ModelGraph, example_input, dtype: str = "float32") -> ModelGraph:
+    """The layer graph of ``model`` for ``example_input`` (a tensor, or a shape: float volumes; give a
+    tensor of ``torch.long`` for token ids). ``dtype`` is that of the parameters and activations."""
+    if isinstance(model, ModelGraph):
+        return model
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if isinstance(example_input, torch.Tensor):
+        shape, input_dtype = tuple(example_input.shape), example_input.dtype
+        input_dtype = DTYPES[dtype] if input_dtype.is_floating_point else input_dtype
+    else:
+        shape, input_dtype = tuple(example_input), DTYPES[dtype]
+    return analyse(model, shape, DTYPES[dtype], input_dtype)
+
+
+def search_plans(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | str, *,
+                 global_batch: int | None = None, dtype: str = "float32", **constraints) -> SearchResult:
+    """Ranked plans (fastest first) and, per family of strategies, why it lost or did not fit.
+    ``constraints``: the fields of :class:`Constraints` (``dp``, ``spatial``, ``tp``, ``pp``, ``sharding``,
+    ``checkpointing``, ``optimizer``, ``max_micro_batches``, ``overlap_halo``, ``top``)."""
+    graph = graph_of(model, example_input, dtype)
+    c = _constraints(graph, global_batch, dtype, constraints)
+    return search(graph, cluster_of(cluster), c)
+
+
+def plan(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | str, *,
+         global_batch: int | None = None, dtype: str = "float32", **constraints) -> Plan:
+    """The fastest plan that fits ``cluster`` (all of its devices), or a ``PlanError`` saying what would fit.
+    ``global_batch`` defaults to the example input's batch."""
+    graph = graph_of(model, example_input, dtype)
+    spec = cluster_of(cluster)
+    c = _constraints(graph, global_batch, dtype, constraints)
+    result = search(graph, spec, c)
+    if not result.plans:
+        raise PlanError(no_fit_message(graph, spec, c, result))
+    return result.plans[0]
+
+
+def _constraints(graph: ModelGraph, global_batch: int | None, dtype: str, constraints: dict) -> Constraints:
+    unknown = sorted(set(constraints) - set(Constraints.__dataclass_fields__))
+    if unknown:
+        raise PlanError(f"unknown constraint {unknown[0]!r}; use {', '.join(sorted(Constraints.__dataclass_fields__))}")
+    batch = graph.batch if global_batch is None else global_batch
+    if not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"global_batch = {batch!r}: give a whole number of samples >= 1")
+    return Constraints(global_batch=batch, dtype=dtype, **constraints)
+
+
+def no_fit_message(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, result: SearchResult) -> str:
+    """One message: why nothing fits, and what would (more devices, a smaller batch, sharding)."""
+    lines = [f"no plan fits {cluster.num_devices} {cluster.name} devices "
+             f"({cluster.device_memory / 2**30:.3g} GiB each) with global batch {c.global_batch}"]
+    if result.closest:
+        lines.append(f"closest: {result.closest}")
+    hints = []
+    for factor in (2, 4, 8, 16, 32, 64):
+        n = cluster.num_devices * factor
+        try:
+            if search(graph, cluster.with_devices(n), c).plans:
+                hints.append(f"{n} devices")
+                break
+        except HybridparError:  # not a whole number of nodes, or no arrangement of n devices
+            continue
+    batch = c.global_batch // 2
+    while batch >= 1:
+        smaller = Constraints(**{**c.__dict__, "global_batch": batch})
+        try:
+            if search(graph, cluster, smaller).plans:
+                hints.append(f"a global batch of {batch}")
+                break
+        except HybridparError:
+            pass
+        batch //= 2
+    if tuple(c.sharding) != (0, 1, 2, 3) or tuple(c.checkpointing) != (False, True):
+        hints.append("allowing every sharding level and activation checkpointing")
+    if any(v is not None for v in (c.dp, c.spatial, c.tp, c.pp)):
+        hints.append("leaving the parallel degrees to the search")
+    if hints:
+        lines.append("would fit with " + ", or ".join(hints))
+    return "; ".join(lines)
+
+
+__all__ = ["PRESETS", "SCHEMA_VERSION", "ClusterSpec", "Constraints", "Layer", "Link", "ModelGraph", "Plan",
+           "Prediction", "SearchResult", "analyse", "cluster_of", "graph_of", "no_fit_message", "plan",
+           "preset", "search", "search_plans", "validate"]

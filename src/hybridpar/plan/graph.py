@@ -149,6 +149,15 @@ class ModelGraph:
         return frozenset(i for i in range(len(self.layers)) if self.consumers[i] != (i + 1,))
 
     @cached_property
+    def isotropic(self) -> bool:
+        """Every spatial dim alike (a cubic input, windows the same along each dim): permuting a spatial
+        grid changes no cost."""
+        if self.spatial_ndim < 2 or len(set(self.input_shape[2:])) != 1:
+            return False
+        return all(len(set(layer.windows)) <= 1 and len(set(layer.out_shape[2:])) <= 1
+                   for layer in self.layers if layer.spatial_in)
+
+    @cached_property
     def segments(self) -> tuple[tuple[int, int, int], ...]:
         """``(first, stop, kind)`` of the runs of layers that end at a whole (``forced_replicated``) output;
         runs of the same layer signatures share a ``kind`` (the blocks of a GPT)."""
@@ -242,7 +251,7 @@ class _Tracer(TorchFunctionMode):
         self.quiet -= 1
 
     def pack(self, t: torch.Tensor):
-        if self.current is None:
+        if self.current is None or self.current["kind"] == "attention":  # counted by _attention_saved
             return t
         self.quiet += 1
         base = t._base if t._base is not None else t
@@ -283,8 +292,25 @@ class _Tracer(TorchFunctionMode):
         record["name"] = f"{parent}:{name}#{k}" if parent else f"{name}#{k}"
         if kind == "attention":
             record["heads"] = args[0].shape[1]
+            record["saved"] = self._attention_saved(args, kwargs, out)
         self.end(record, out, _attention_flops(args, kwargs) if kind == "attention" else None)
         return out
+
+    def _attention_saved(self, args, kwargs, out) -> int:
+        """What fused attention (flash, memory-efficient; CPU and GPU) keeps: q, k, v, the output and the
+        log-sum-exp per query row, not the ``Lq x Lk`` matrix of the math path that the meta device runs."""
+        self.quiet += 1
+        total = 0
+        for t in self._tensors((args[:3], kwargs)) + self._tensors(out):
+            base = t._base if t._base is not None else t
+            if id(base) not in self.saved:
+                self.saved.add(id(base))
+                self.alive.append(base)
+                total += base.numel() * base.element_size()
+        q = args[0]
+        total += q.numel() // q.shape[-1] * 4
+        self.quiet -= 1
+        return total
 
 
 def _bytes(tensors) -> int:
@@ -325,7 +351,10 @@ def _install_hooks(model: nn.Module, tracer: _Tracer) -> list:
             if leaf:
                 if not tracer.inside_leaf:
                     kind = module_kind(m) or "other"
-                    m._hp_record = tracer.begin(paths[id(m)], kind, type(m).__name__, (args, kwargs), m)
+                    path = paths[id(m)]
+                    calls = tracer.counts[path] = tracer.counts.get(path, -1) + 1
+                    name = path if calls == 0 else f"{path}#{calls}"  # a module called again (a shared pool)
+                    m._hp_record = tracer.begin(name, kind, type(m).__name__, (args, kwargs), m)
                 tracer.inside_leaf += 1
 
         def post(m, args, kwargs, out, leaf=leaf):

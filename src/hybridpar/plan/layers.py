@@ -69,27 +69,41 @@ def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
             _check_layer_grid(layer, grid)
 
 
-@lru_cache(maxsize=4096)
 def _check_layer_grid(layer: Layer, grid: tuple[int, ...]) -> None:
     where = f"layer {layer.name!r} ({layer.op})"
     if layer.kind not in SPATIAL_KINDS:
         raise PlanError(f"{where} cannot run on slabs of a spatially split volume; use spatial=(1, ...)")
     out_spatial = layer.out_shape[2:] if layer.kind not in ("global_pool", "flatten") else layer.in_shape[2:]
     for axis, parts in enumerate(grid):
-        if parts > 1 and min(out_spatial[axis], layer.in_shape[2 + axis]) < parts:
-            raise PlanError(f"{where}: spatial dim {axis} has {min(out_spatial[axis], layer.in_shape[2 + axis])} "
-                            f"rows, fewer than its {parts} parts")
+        rows = min(out_spatial[axis], layer.in_shape[2 + axis])
+        if parts > 1 and rows < parts:
+            raise PlanError(f"{where}: spatial dim {axis} has {rows} rows, fewer than its {parts} parts")
     for axis, window in enumerate(layer.windows):
-        parts = grid[axis]
-        if parts == 1:
-            continue
-        size, m = layer.in_shape[2 + axis], layer.out_shape[2 + axis]
-        needs = tuple(window.need(*b) for b in split_bounds(m, parts))
+        if grid[axis] > 1:
+            _check_window(window, layer.in_shape[2 + axis], layer.out_shape[2 + axis], grid[axis], layer.boundary,
+                          axis, where)
+
+
+@lru_cache(maxsize=65536)
+def _check_window(window, size: int, out_size: int, parts: int, boundary: str, axis: int, where: str) -> None:
+    """Every part's halo comes from its neighbours: the runtime's rule (``plan_exchange``), in closed form
+    for zero padding."""
+    needs = tuple(window.need(*b) for b in split_bounds(out_size, parts))
+    if boundary != "zeros":
         try:
-            plan_exchange(axis=axis, size=size, parts=parts, needs=needs, boundary=layer.boundary, part=0,
-                          where=where)
+            plan_exchange(axis=axis, size=size, parts=parts, needs=needs, boundary=boundary, part=0, where=where)
         except GeometryError as err:
             raise PlanError(str(err)) from None
+        return
+    bounds = split_bounds(size, parts)
+    for q, (start, stop) in enumerate(needs):
+        lo = bounds[max(q - 1, 0)][0]
+        hi = bounds[min(q + 1, parts - 1)][1]
+        if max(start, 0) < lo or min(stop, size) > hi:
+            thinnest = min(b - a for a, b in bounds)
+            raise PlanError(f"{where}: along spatial dim {axis} (size {size}, {parts} parts), part {q} needs rows "
+                            f"[{start}, {stop}), which reach past its neighbour (the thinnest slab has {thinnest} "
+                            f"rows, thinner than the halo); use fewer parts along dim {axis} or a larger input")
 
 
 @lru_cache(maxsize=65536)

@@ -35,7 +35,9 @@ class Constraints:
     checkpointing: tuple[bool, ...] = (False, True)
     max_micro_batches: int = 8  # per pipeline stage: m runs from pp to this many times pp
     overlap_halo: bool = True
+    max_tp: int | None = None  # largest tp degree; None: one node's devices (tp groups stay inside a node)
     top: int = 5
+    families: tuple[str, ...] | None = None  # only these families, e.g. ("dp", "dp x spatial"); None: all
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,10 @@ class Candidate:
 
 @dataclass
 class SearchResult:
-    plans: list[Plan]
+    plans: list[Plan]  # fastest first, one per mesh
     rejected: dict[str, str] = field(default_factory=dict)  # family of strategies -> why it lost or did not fit
     num_candidates: int = 0
+    closest: str = ""  # when nothing fits: the candidate that came nearest to the memory limit
 
 
 # --- mesh factorisations --------------------------------------------------------------------------
@@ -74,18 +77,22 @@ def grids(parts: int, ndim: int) -> list[tuple[int, ...]]:
     return [(d,) + rest for d in divisors(parts) for rest in grids(parts // d, ndim - 1)]
 
 
-def meshes(world: int, graph: ModelGraph, c: Constraints) -> list[tuple[int, tuple[int, ...], int, int]]:
+def meshes(world: int, graph: ModelGraph, c: Constraints,
+           cluster_devices_per_node: int) -> list[tuple[int, tuple[int, ...], int, int]]:
     """``(dp, grid, tp, pp)`` with ``dp * prod(grid) * tp * pp == world`` that the constraints allow."""
     ndim = graph.spatial_ndim
+    max_tp = c.max_tp or cluster_devices_per_node
     out = []
     for pp in divisors(world):
-        for tp in divisors(world // pp):
+        for tp in [t for t in divisors(world // pp) if t <= max_tp or t == c.tp]:
             for dp in divisors(world // (pp * tp)):
                 s = world // (pp * tp * dp)
                 if c.global_batch % dp or any(v is not None and v != x for v, x in ((c.dp, dp), (c.tp, tp),
                                                                                    (c.pp, pp))):
                     continue
                 options = grids(s, ndim) if ndim else ([()] if s == 1 else [])
+                if graph.isotropic:  # permuted grids cost the same: keep one, split depth first
+                    options = [g for g in options if list(g) == sorted(g, reverse=True)]
                 for grid in options:
                     full = grid or (1,)
                     if c.spatial is not None and tuple(c.spatial) != full:
@@ -200,11 +207,11 @@ def legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
 
 
 def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int, z: int, ckpt: bool,
-          chain: Chain, cuts: tuple[int, ...]) -> tuple[float, list[cost.Memory], dict]:
-    """Step time, memory per stage and exposed communication by kind of one fully specified candidate;
-    ``cuts`` are the layers that start stages 2..pp (legal starts only)."""
-    starts = legal_starts(graph, chain)
-    units = Units.of(chain, starts)
+          chain: Chain, cuts: tuple[int, ...], units: Units | None = None) -> tuple[float, list[cost.Memory], dict]:
+    """Step time, memory per stage and exposed communication by kind (with ``compute``, all on the
+    slowest stage) of one fully specified candidate; ``cuts`` are the layers that start stages 2..pp."""
+    units = units or Units.of(chain, legal_starts(graph, chain))
+    starts = list(units.starts)
     costs = StageCosts(units, _setting(cluster, c, mesh, m, z, ckpt))
     index = [starts.index(b) for b in cuts]
     bounds = list(zip([0] + index, index + [len(units)]))
@@ -230,80 +237,139 @@ def _communication(chain: Chain, costs: StageCosts, layers, send: float, m: int,
         out["fsdp"] = sum(cost.fsdp_gather_time(o.params, s.data_group) for o in chain.options[slice(*layers)]) * m
     out["pipeline"] = send * m
     out["gradients"] = sync
-    return {k: v for k, v in out.items() if v}
+    out = {k: v for k, v in out.items() if v}
+    out["compute"] = sum(chain.options[i].time - sum(chain.options[i].comm.values()) for i in range(*layers)) * m
+    if s.checkpointing:
+        out["compute"] += sum(chain.options[i].forward for i in range(*layers)) * m
+    return out
 
 
 def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchResult:
-    """Ranked plans for ``cluster.num_devices`` devices, fastest first (one per mesh)."""
+    """Ranked plans for ``cluster.num_devices`` devices, fastest first (one per mesh), and for every
+    family of strategies (``dp``, ``dp x spatial``, ``dp x tp x pp``, ...) why it lost or did not fit.
+
+    Candidates are priced in the order of a lower bound of their step time (every stage as fast as
+    an even split), and one whose bound cannot beat the ``top``-th plan found is not priced further."""
     world, limit = cluster.num_devices, cluster.device_memory
-    all_meshes = meshes(world, graph, c)
+    all_meshes = [m for m in meshes(world, graph, c, cluster.devices_per_node) if c.families is None or family(m) in c.families]
     if not all_meshes:
         raise PlanError(_no_mesh_message(world, graph, c))
-    rejected: dict[str, str] = {}
+    log = _Log()
     cache: dict = {}
-    pending = []  # (lower bound of step time, candidate parts)
+    pending = []  # (lower bound of step time, mesh, m, z, ckpt)
     for mesh in all_meshes:
         dp, grid, tp, pp = mesh
         try:
             check_grid(graph, grid)
         except PlanError as err:
-            rejected.setdefault(_family(mesh), f"spatial grid {'x'.join(map(str, grid))}: {err}")
+            log.fail(mesh, f"spatial grid {'x'.join(map(str, grid))}: {err}")
             continue
         per_replica = c.global_batch // dp
+        whole = _units(graph, cluster, c, mesh, per_replica, cache)  # the replica's batch in one micro-batch
         for m in micro_batch_counts(per_replica, pp, c):
-            units = _units(graph, cluster, c, mesh, per_replica // m, cache)
-            if units is None:
-                rejected.setdefault(_family(mesh), f"pp={pp}: the model has fewer places to cut than stages")
-                continue
+            # Every cost is affine in the micro-batch with a non-negative constant, so one micro-batch of
+            # 1/m of the samples takes at least 1/m of the time; a stage at least 1/pp of that.
+            total = sum(whole.time) / m
             for z in (c.sharding if dp * math.prod(grid) > 1 else (0,)):
                 for ckpt in c.checkpointing:
-                    setting = _setting(cluster, c, mesh, m, z, ckpt)
-                    if units[1].state_memory(setting) > limit:
-                        rejected.setdefault(_family(mesh), _state_too_big(units[1], setting, mesh, limit))
-                        continue
-                    total = units[1].total_time(setting)
-                    bottleneck = max(total / pp, max(units[1].time))
-                    pending.append(((m - 1) * bottleneck + total, mesh, m, z, ckpt, units, setting))
+                    pending.append(((m - 1) * total / pp + total, mesh, m, z, ckpt))
     pending.sort(key=lambda p: p[0])
     found: list[Candidate] = []
     best_per_mesh: dict = {}
-    for bound, mesh, m, z, ckpt, units, setting in pending:
+    for bound, mesh, m, z, ckpt in pending:
         if len(best_per_mesh) >= c.top and bound >= sorted(best_per_mesh.values())[c.top - 1]:
-            rejected.setdefault(_family(mesh), f"slower: at least {bound * 1e3:.4g} ms per step")
+            log.skip(mesh, bound)
             continue
         if mesh in best_per_mesh and bound >= best_per_mesh[mesh]:
             continue
-        cand = _candidate(graph, cluster, c, mesh, m, z, ckpt, units, StageCosts(units[1], setting), limit)
+        beat = sorted(best_per_mesh.values())[c.top - 1] if len(best_per_mesh) >= c.top else math.inf
+        beat = min(beat, best_per_mesh.get(mesh, math.inf))
+        cand = _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat)
+        if cand.step_time == math.inf and not cand.reason:  # its tighter bound could not beat `beat`
+            log.skip(mesh, cand.memory)
+            continue
         if cand.plan is None:
-            rejected.setdefault(_family(mesh), cand.reason)
+            log.fail(mesh, cand.reason, cand.memory)
             continue
         found.append(cand)
         best_per_mesh[mesh] = min(best_per_mesh.get(mesh, math.inf), cand.step_time)
-    found.sort(key=lambda x: (x.step_time, x.memory))
+    found.sort(key=lambda x: (x.step_time, x.memory, tuple(-p for p in x.mesh[1])))
     plans, seen = [], set()
     for cand in found:
         if cand.mesh not in seen and len(plans) < c.top:
             plans.append(cand.plan)
             seen.add(cand.mesh)
-        family = _family(cand.mesh)
-        if not plans or cand.plan is not plans[0]:
-            rejected.setdefault(family, f"best {cand.plan.describe()}: {cand.step_time * 1e3:.4g} ms per step")
-    return SearchResult(plans, rejected, len(pending))
+    return SearchResult(plans, log.explain(found), len(pending), log.closest[1])
 
 
-def _units(graph, cluster, c, mesh, micro_batch, cache):
-    """(chain, units) of a mesh and micro-batch size, or ``None`` if it cannot be cut into ``pp`` stages."""
-    dp, grid, tp, pp = mesh
+class _Log:
+    """Why each family of strategies lost: its best plan, a lower bound that could not win, or a failure."""
+
+    def __init__(self):
+        self.failures: dict[str, str] = {}
+        self.bounds: dict[str, float] = {}
+        self.closest: tuple[float, str] = (math.inf, "")
+
+    def fail(self, mesh, reason: str, memory: float = math.inf) -> None:
+        self.failures.setdefault(family(mesh), reason)
+        if memory < self.closest[0]:
+            self.closest = (memory, reason)
+
+    def skip(self, mesh, bound: float) -> None:
+        name = family(mesh)
+        self.bounds[name] = min(self.bounds.get(name, math.inf), bound)
+
+    def explain(self, found: list[Candidate]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        fastest = found[0].step_time if found else math.inf
+        for cand in found:
+            name = family(cand.mesh)
+            if name not in out:
+                ratio = f" ({cand.step_time / fastest:.2f}x the fastest)" if cand is not found[0] else ""
+                out[name] = f"best {cand.plan.describe()}: {cand.step_time * 1e3:.4g} ms per step{ratio}"
+        for name, bound in self.bounds.items():
+            out.setdefault(name, f"at least {bound * 1e3:.4g} ms per step ({bound / fastest:.2f}x the fastest)")
+        for name, reason in self.failures.items():
+            out.setdefault(name, reason)
+        return out
+
+
+def _chain(graph, cluster, c, mesh, micro_batch, cache) -> tuple[Chain, Units]:
+    """The per-layer strategies of a mesh for one micro-batch size, and their units (cached)."""
+    dp, grid, tp, _ = mesh
     ctx = _context(cluster, c, dp, grid, tp, micro_batch)
     key = ("units", ctx)
     if key not in cache:
         chain = best_chain(graph, ctx, cache)
         cache[key] = (chain, Units.of(chain, legal_starts(graph, chain)))
-    chain, units = cache[key]
-    return None if len(units) < pp else (chain, units)
+    return cache[key]
 
 
-def _family(mesh) -> str:
+def _units(graph, cluster, c, mesh, micro_batch, cache) -> Units:
+    return _chain(graph, cluster, c, mesh, micro_batch, cache)[1]
+
+
+def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) -> Candidate:
+    """The candidate priced, or (with no reason, its lower bound in ``memory``) one that cannot be faster
+    than ``beat``: the bound of its own per-layer times, before the cut search."""
+    dp, grid, tp, pp = mesh
+    chain, units = _chain(graph, cluster, c, mesh, c.global_batch // (dp * m), cache)
+    if len(units) < pp:
+        return Candidate(mesh, m, z, ckpt, reason=f"pp={pp}: the model has only {len(units)} places to start a "
+                                                  "stage")
+    setting = _setting(cluster, c, mesh, m, z, ckpt)
+    state = units.state_memory(setting)
+    if state > limit:
+        return Candidate(mesh, m, z, ckpt, memory=state, reason=_state_too_big(state, setting, mesh, limit))
+    total = units.total_time(setting)
+    bound = (m - 1) * max(total / pp, max(units.time)) + total
+    if bound >= beat:
+        return Candidate(mesh, m, z, ckpt, memory=bound)
+    return _candidate(graph, cluster, c, mesh, m, z, ckpt, (chain, units), StageCosts(units, setting), limit)
+
+
+def family(mesh) -> str:
+    """The family of a mesh ``(dp, grid, tp, pp)``: the kinds of parallelism it uses, e.g. ``dp x spatial``."""
     dp, grid, tp, pp = mesh
     parts = [name for name, on in (("dp", dp > 1), ("spatial", math.prod(grid) > 1), ("tp", tp > 1),
                                    ("pp", pp > 1)) if on]
@@ -317,20 +383,21 @@ def _candidate(graph, cluster, c, mesh, m, z, ckpt, units, costs, limit) -> Cand
     else:
         index = best_cuts(costs, limit)
         if index is None:
-            return Candidate(mesh, m, z, ckpt, reason=_too_big(costs, mesh, m, z, ckpt, limit))
+            whole = costs.memory(0, len(costs.units), 0).total / mesh[3]
+            return Candidate(mesh, m, z, ckpt, memory=whole, reason=_too_big(costs, mesh, m, z, ckpt, limit))
         cuts = tuple(unit_table.starts[u] for u in index)
-    step, memory, comm = price(graph, cluster, c, mesh, m, z, ckpt, chain, cuts)
+    step, memory, comm = price(graph, cluster, c, mesh, m, z, ckpt, chain, cuts, unit_table)
     peak = max(mem.total for mem in memory)
     if peak > limit:
-        return Candidate(mesh, m, z, ckpt, reason=_too_big(costs, mesh, m, z, ckpt, limit, memory))
+        return Candidate(mesh, m, z, ckpt, memory=peak, reason=_too_big(costs, mesh, m, z, ckpt, limit, memory))
     plan = _plan(graph, cluster, c, mesh, m, z, ckpt, chain, cuts, step, memory, comm)
     return Candidate(mesh, m, z, ckpt, step, peak, plan)
 
 
-def _state_too_big(units: Units, setting: StageSetting, mesh, limit) -> str:
+def _state_too_big(state: float, setting: StageSetting, mesh, limit) -> str:
     dp, grid, tp, pp = mesh
     return (f"dp={dp} spatial={'x'.join(map(str, grid))} tp={tp} pp={pp} zero={setting.sharding}: parameters, "
-            f"gradients and optimizer state alone need {units.state_memory(setting) / 2**30:.3g} GiB per device "
+            f"gradients and optimizer state alone need {state / 2**30:.3g} GiB per device "
             f"> {limit / 2**30:.3g} GiB")
 
 
@@ -344,17 +411,22 @@ def _too_big(costs, mesh, m, z, ckpt, limit, memory=None) -> str:
             f"> {limit / 2**30:.3g} GiB")
 
 
+def prediction_of(c: Constraints, chain: Chain, step: float, memory: list[cost.Memory], comm: dict,
+                  m: int) -> Prediction:
+    worst = max(memory, key=lambda mem: mem.total)
+    comm = dict(comm)
+    compute = comm.pop("compute")
+    return Prediction(step, compute, worst.as_dict(), comm, c.global_batch / step if step else 0.0)
+
+
 def _plan(graph, cluster, c, mesh, m, z, ckpt, chain, cuts, step, memory, comm) -> Plan:
     dp, grid, tp, pp = mesh
-    worst = max(memory, key=lambda mem: mem.total)
-    compute = sum(o.time - sum(o.comm.values()) for o in chain.options) * m
-    prediction = Prediction(step, compute, worst.as_dict(), comm, c.global_batch / step if step else 0.0)
     layers = tuple((graph.layers[i].name, o.strategy) for i, o in enumerate(chain.options)
                    if o.strategy != "replicate")
     return Plan(dp=dp, spatial=grid, tp=tp, pp=pp, global_batch=c.global_batch, micro_batches=m, sharding=z,
                 checkpointing=ckpt, stages=tuple(graph.layers[b].name for b in cuts), layers=layers,
                 optimizer=c.optimizer, dtype=c.dtype, input_shape=(c.global_batch,) + graph.input_shape[1:],
-                cluster=cluster.name, prediction=prediction)
+                cluster=cluster.name, prediction=prediction_of(c, chain, step, memory, comm, m))
 
 
 def _no_mesh_message(world: int, graph: ModelGraph, c: Constraints) -> str:

@@ -11,6 +11,7 @@ tp). Checkpointing keeps each unit's input and recomputes one unit at a time in 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -112,6 +113,16 @@ class RangeMax:
         row = self.table[j]
         return max(row[a], row[b - (1 << j)])
 
+    def many(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """``self(a, b)`` elementwise where ``a < b`` (anything elsewhere)."""
+        if not hasattr(self, "_padded"):
+            width = len(self.table[0])
+            self._padded = np.array([row + [0.0] * (width - len(row)) for row in self.table])
+        span = np.maximum(b - a, 1)
+        j = np.floor(np.log2(span)).astype(int)
+        right = np.maximum(b - (1 << j), 0)
+        return np.maximum(self._padded[j, np.minimum(a, self._padded.shape[1] - 1)], self._padded[j, right])
+
 
 def _prefix(values) -> list[float]:
     out = [0.0]
@@ -146,7 +157,6 @@ class StageCosts:
         self.unit_saved = units.max_saved
         link = setting.pipe_link
         self.sends = [2 * cost.send_time(b, link) for b in units.out_bytes[:-1]] + [0.0, 0.0]
-        self._first_fitting: dict = {}
 
     def send(self, b: int) -> float:
         """Forward activation and backward gradient across the cut before unit ``b`` (none after the last)."""
@@ -174,36 +184,33 @@ class StageCosts:
         backward = (self.backward[b] - self.backward[a]) * s.micro_batches
         return cost.gradient_sync_time(self.params[b] - self.params[a], s.data_group, backward, s.sharding)
 
-    def first_fitting(self, stage: int, limit: float) -> list[int]:
-        """``lo[b]``: the first unit ``a`` such that stage ``stage`` over ``[a, b)`` fits in ``limit`` bytes
-        (``b`` when none does). Non-decreasing in ``b``, since a stage that fits still fits with fewer units."""
+    def fitting(self, limit: float) -> list[list[int]]:
+        """``lo[stage][b]``: the first unit ``a`` such that stage ``stage`` over ``[a, b)`` fits in ``limit``
+        bytes (``b`` when none does); non-decreasing in ``b``, since a stage that fits still fits with fewer
+        units. The parts of memory that add up are searched (``searchsorted``); the largest-buffer parts
+        then move ``a`` right until the stage fits."""
         s = self.setting
-        in_flight = cost.micro_batches_in_flight(stage, s.num_stages, s.micro_batches)
-        key = (in_flight, limit)
-        if key not in self._first_fitting:
-            self._first_fitting[key] = self._first_fitting_for(in_flight, limit)
-        return self._first_fitting[key]
-
-    def _first_fitting_for(self, in_flight: int, limit: float) -> list[int]:
-        s = self.setting
+        k, n = s.num_stages, len(self.units)
         params, grads, state = cost.model_state_memory(1.0, s.sharding, s.data_group.size, s.optimizer)
-        per_param = params + grads + state
-        acts = self.kept if s.checkpointing else self.saved
+        in_flight = np.array([cost.micro_batches_in_flight(t, k, s.micro_batches) for t in range(k)], dtype=float)
+        acts = np.asarray(self.kept if s.checkpointing else self.saved)
+        linear = (params + grads + state) * np.asarray(self.params)[None, :] + in_flight[:, None] * acts[None, :]
         budget = limit - s.cluster.reserved_memory
-        fsdp = 2.0 if s.sharding == 3 else 0.0
-
-        def total(a: int, b: int) -> float:
-            mem = per_param * (self.params[b] - self.params[a]) + in_flight * (acts[b] - acts[a]) + self.workspace(a, b)
+        lo = np.stack([np.searchsorted(row, row - budget, side="left") for row in linear])
+        b = np.broadcast_to(np.arange(n + 1), lo.shape)
+        rows = np.arange(k)[:, None]
+        while True:
+            a = np.minimum(lo, b)
+            inside = a < b
+            extra = np.where(inside, self.units.max_workspace.many(a, b), 0.0)
             if s.checkpointing:
-                mem += self.unit_saved(a, b)
-            return mem + fsdp * self.largest_params(a, b) if fsdp else mem
-
-        lo, out = 0, [0]
-        for b in range(1, len(self.units) + 1):
-            while lo < b and total(lo, b) > budget:
-                lo += 1
-            out.append(lo)
-        return out
+                extra = extra + np.where(inside, self.units.max_saved.many(a, b), 0.0)
+            if s.sharding == 3:
+                extra = extra + 2 * np.where(inside, self.units.max_largest_params.many(a, b), 0.0)
+            over = inside & (linear[rows, b] - linear[rows, a] + extra > budget)
+            if not over.any():
+                return np.minimum(lo, b).tolist()
+            lo = lo + over
 
 
 def best_cuts(costs: StageCosts, limit: float) -> tuple[int, ...] | None:
@@ -211,23 +218,20 @@ def best_cuts(costs: StageCosts, limit: float) -> tuple[int, ...] | None:
     with every stage within ``limit`` bytes; ``None`` if no cut fits.
 
     Exact: the bottleneck ``B`` of the best cut is one of the stage times. From the least ``B`` that
-    admits a cut (a greedy cut decides that), each ``B`` in ascending order gets the least sum of stage
+    admits a cut (found by bisection), each ``B`` in ascending order gets the least sum of stage
     times with every stage at most ``B`` (dynamic programming over units, a sliding-window minimum
     per stage), until ``(m - 1) · B`` alone exceeds the best found."""
     n, k, m = len(costs.units), costs.setting.num_stages, costs.setting.micro_batches
     if n < k:
         return None
-    fitting = [costs.first_fitting(stage, limit) for stage in range(k)]
+    fitting = costs.fitting(limit)
     time = np.asarray(costs.time)
     spans = time[None, 1:] - time[:-1, None] + np.asarray(costs.sends[:n])[None, :]
     bounds = np.unique(spans[np.triu_indices(n)]).tolist()
-    lo, hi = 0, len(bounds)
-    while lo < hi:  # the least bound that admits a cut
-        mid = (lo + hi) // 2
-        if _greedy(costs, bounds[mid], fitting):
-            hi = mid
-        else:
-            lo = mid + 1
+    least = _least_bottleneck(costs, fitting)
+    if least is None:
+        return None
+    lo = bisect.bisect_left(bounds, least * (1 - 1e-12))
     best, best_value = None, math.inf
     floor = costs.time[n]
     for bound in bounds[lo:]:
@@ -239,21 +243,22 @@ def best_cuts(costs: StageCosts, limit: float) -> tuple[int, ...] | None:
     return best
 
 
-def _greedy(costs: StageCosts, bound: float, fitting: list[list[int]]) -> bool:
-    """Can ``k`` stages, each within ``bound`` and the memory limit, cover every unit? Each stage as long
-    as it may be is optimal, since a stage within the limits stays within them when it loses units."""
+def _least_bottleneck(costs: StageCosts, fitting: list[list[int]]) -> float | None:
+    """The least possible time of the slowest stage over cuts that fit (``None`` if none fits):
+    ``M[j] = min over i of max(M_prev[i], time of [i, j))`` per stage, for every ``(i, j)`` at once."""
     n, k = len(costs.units), costs.setting.num_stages
-    time, sends = costs.time, costs.sends
-    a = 0
+    time = np.asarray(costs.time)
+    send = np.concatenate([[0.0], np.asarray(costs.sends[:n])])
+    span = time[None, :] - time[:, None] + send[None, :]  # span[i, j]: a stage of units [i, j)
+    i = np.arange(n + 1)[:, None]
+    j = np.arange(n + 1)[None, :]
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
     for stage in range(k):
-        lo, b = fitting[stage], a
-        last = n - (k - stage - 1)
-        while b < last and lo[b + 1] <= a and time[b + 1] - time[a] + sends[b] <= bound:
-            b += 1
-        if b == a:
-            return False
-        a = b
-    return a == n
+        first = n if stage == k - 1 else stage + 1
+        ok = (i < j) & (i >= np.asarray(fitting[stage])[None, :]) & (j >= first) & (j <= n - (k - stage - 1))
+        best = np.where(ok, np.maximum(best[:, None], span), np.inf).min(axis=0)
+    return float(best[n]) if np.isfinite(best[n]) else None
 
 
 def _least_sum(costs: StageCosts, bound: float, fitting: list[list[int]]) -> tuple[float, tuple[int, ...]] | None:
@@ -261,41 +266,50 @@ def _least_sum(costs: StageCosts, bound: float, fitting: list[list[int]]) -> tup
 
     ``g[j]`` after stage ``s``: the least sum for units ``[0, j)`` in ``s + 1`` stages. A stage
     ``[i, j)`` costs ``time[j] - time[i] + send(j)``, so ``g[j] = time[j] + send(j) + min(g_prev[i] - time[i])``
-    over the ``i`` that keep it within the limits: a window that only moves right as ``j`` grows."""
+    over ``lo[j] <= i < j``, where ``lo[j]`` is the first start that keeps the stage within the limits;
+    the minima come from a range-minimum table, for every ``j`` at once."""
     n, k = len(costs.units), costs.setting.num_stages
-    time, sends = costs.time, costs.sends
-    inf = math.inf
-    g = [0.0] + [inf] * n
+    time = np.asarray(costs.time)
+    send = np.concatenate([[0.0], np.asarray(costs.sends[:n])])  # send[j]: the cut before unit j
+    j = np.arange(n + 1)
+    slack = 1e-12 * max(bound, time[n])  # `time[j] - time[i] + send[j] <= bound`, rearranged, rounds differently
+    by_time = np.searchsorted(time, time + send - bound - slack, side="left")
+    g = np.full(n + 1, np.inf)
+    g[0] = 0.0
     parents = []
     for stage in range(k):
-        new, parent = [inf] * (n + 1), [-1] * (n + 1)
-        fit = fitting[stage]
-        window: deque[int] = deque()
-        i_next, lo = 0, 0
-        first_j = n if stage == k - 1 else stage + 1
-        for j in range(first_j, n - (k - stage - 1) + 1):
-            while i_next < j:  # admit i < j
-                if g[i_next] < inf:
-                    v = g[i_next] - time[i_next]
-                    while window and g[window[-1]] - time[window[-1]] >= v:
-                        window.pop()
-                    window.append(i_next)
-                i_next += 1
-            lo = max(lo, fit[j])
-            while lo < j and time[j] - time[lo] + sends[j - 1] > bound:
-                lo += 1
-            while window and window[0] < lo:
-                window.popleft()
-            if window:
-                i = window[0]
-                new[j] = g[i] - time[i] + time[j] + sends[j - 1]
-                parent[j] = i
-        parents.append(parent)
+        lo = np.maximum(np.asarray(fitting[stage]), by_time)
+        first = n if stage == k - 1 else stage + 1
+        ok = (j >= first) & (j <= n - (k - stage - 1)) & (lo < j)
+        best, arg = _range_min(g - time, lo, j, ok)
+        new = np.where(ok, time + send + best, np.inf)
+        parents.append(arg)
         g = new
-    if g[n] == inf:
+    if not np.isfinite(g[n]):
         return None
-    cuts, j = [], n
+    cuts, at = [], n
     for stage in range(k - 1, 0, -1):
-        j = parents[stage][j]
-        cuts.append(j)
-    return g[n], tuple(reversed(cuts))
+        at = int(parents[stage][at])
+        cuts.append(at)
+    return float(g[n]), tuple(reversed(cuts))
+
+
+def _range_min(h: np.ndarray, lo: np.ndarray, hi: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Minimum of ``h[lo[j]:hi[j]]`` and where it is, for every ``j`` with ``ok[j]`` (a sparse table)."""
+    levels = [np.arange(len(h))]
+    width = 1
+    while 2 * width <= len(h):
+        prev = levels[-1]
+        left, right = prev[: len(prev) - width], prev[width:]
+        levels.append(np.where(h[right] < h[left], right, left))
+        width *= 2
+    span = np.where(ok, hi - lo, 1)
+    level = np.floor(np.log2(span)).astype(int)
+    a = np.where(ok, lo, 0)
+    b = np.where(ok, hi - (1 << level), 0)
+    table = np.zeros((len(levels), len(h)), dtype=int)
+    for i, row in enumerate(levels):
+        table[i, : len(row)] = row
+    left, right = table[level, a], table[level, b]
+    arg = np.where(h[right] < h[left], right, left)
+    return np.where(ok, h[arg], np.inf), arg

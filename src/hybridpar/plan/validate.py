@@ -1,0 +1,126 @@
+"""A plan checked against its model and cluster, and priced: the same code for a hand-written plan
+and for one the search found. Every error names the layer, stage or degree at fault and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hybridpar.errors import PlanError
+from hybridpar.plan.cluster import ClusterSpec
+from hybridpar.plan.graph import ModelGraph
+from hybridpar.plan.layers import R, check_grid, transition
+from hybridpar.plan.search import Chain, Constraints, _context, _options, legal_starts, prediction_of, price
+from hybridpar.plan.types import SHARDING_NAMES, TP_STRATEGIES, Plan
+
+
+def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | None = None) -> Chain:
+    """The chain that runs each layer with ``strategies[name]`` (default ``replicate``), with the
+    redistribution between layers that those strategies need."""
+    cache = {} if cache is None else cache
+    forced = graph.forced_replicated
+    options, paid, layouts = [], [], []
+    layout = R
+    for i, layer in enumerate(graph.layers):
+        wanted = strategies.get(layer.name, "replicate")
+        choices = {o.strategy: o for o in _options(layer, graph, ctx, layer.inputs == (i - 1,), cache)}
+        if wanted not in choices:
+            raise PlanError(_illegal(layer, wanted, ctx.tp, sorted(choices)))
+        opt = choices[wanted]
+        chained = i > 0 and (i - 1) in layer.inputs
+        move = 0.0
+        if chained and layout != opt.layout_in:
+            move = transition(layout, opt.layout_in, opt.in_bytes, ctx.tp_group)
+        elif not chained and opt.layout_in != R and layer.kind != "embedding":
+            move = transition(R, opt.layout_in, opt.in_bytes, ctx.tp_group)
+        layout = opt.layout_out
+        if i in forced and layout != R:
+            move += transition(layout, R, opt.out_bytes, ctx.tp_group)
+            layout = R
+        options.append(opt)
+        paid.append(move)
+        layouts.append(layout)
+    return Chain(tuple(options), tuple(paid), tuple(layouts))
+
+
+def _illegal(layer, wanted: str, tp: int, allowed: list[str]) -> str:
+    if wanted not in TP_STRATEGIES:
+        return f"layer {layer.name!r}: tp strategy {wanted!r} is not one of {', '.join(TP_STRATEGIES)}"
+    why = {
+        "column": f"its {layer.channels[1]} output features / channels do not split into {tp}",
+        "row": f"its {layer.channels[0]} input features / channels do not split into {tp}",
+        "shard": "it cannot work on a feature-split activation" + (
+            f" ({layer.heads} heads do not split into {tp})" if layer.heads else ""),
+    }.get(wanted, "")
+    return (f"layer {layer.name!r} ({layer.op}) cannot run {wanted!r} with tp={tp}"
+            f"{': ' + why if why else ''}; use one of {', '.join(allowed)}")
+
+
+def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_halo: bool = True) -> Plan:
+    """``plan`` with its prediction, if it fits ``graph`` on ``cluster``; a ``PlanError`` naming what does not."""
+    _check_degrees(plan, cluster)
+    check_grid(graph, plan.spatial if graph.spatial_ndim else ())
+    names = {layer.name for layer in graph.layers}
+    for name, _ in plan.layers:
+        if name not in names:
+            raise PlanError(f"plan names layer {name!r}, which the model does not have; the layers are "
+                            f"{_some(sorted(names))}")
+    c = Constraints(global_batch=plan.global_batch, dtype=plan.dtype, optimizer=plan.optimizer,
+                    overlap_halo=overlap_halo)
+    mesh = (plan.dp, plan.spatial, plan.tp, plan.pp)
+    ctx = _context(cluster, c, plan.dp, plan.spatial, plan.tp, plan.global_batch // (plan.dp * plan.micro_batches))
+    chain = chain_of(graph, ctx, dict(plan.layers))
+    cuts = _cuts(plan, graph, chain)
+    step, memory, comm = price(graph, cluster, c, mesh, plan.micro_batches, plan.sharding, plan.checkpointing,
+                               chain, cuts)
+    for stage, mem in enumerate(memory):
+        if mem.total > cluster.device_memory:
+            first = graph.layers[([0] + list(cuts))[stage]].name
+            raise PlanError(f"stage {stage} (from layer {first!r}) needs {mem.total / 2**30:.3g} GiB per device "
+                            f"({_breakdown(mem)}) > {cluster.device_memory / 2**30:.3g} GiB of {cluster.name}; "
+                            "use more sharding, checkpointing, more micro-batches or more stages")
+    return replace(plan, prediction=prediction_of(c, chain, step, memory, comm, plan.micro_batches))
+
+
+def _check_degrees(plan: Plan, cluster: ClusterSpec) -> None:
+    dims = plan.dims  # checks each degree
+    if dims.world_size != cluster.num_devices:
+        raise PlanError(f"{dims.describe()} = {dims.world_size} devices, but the cluster has {cluster.num_devices}; "
+                        "change the degrees so that they multiply to the device count")
+    if plan.global_batch < 1 or plan.global_batch % (plan.dp * plan.micro_batches):
+        raise PlanError(f"global_batch = {plan.global_batch} does not split into dp={plan.dp} replicas of "
+                        f"{plan.micro_batches} micro-batches; use a multiple of {plan.dp * plan.micro_batches}")
+    if plan.micro_batches < 1 or (plan.pp == 1 and plan.micro_batches != 1):
+        raise PlanError(f"micro_batches = {plan.micro_batches}: use 1 without pipeline stages (pp=1), "
+                        "and at least 1 with them")
+    if plan.sharding not in SHARDING_NAMES:
+        raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
+    if len(plan.stages) != plan.pp - 1:
+        raise PlanError(f"pp={plan.pp} needs {plan.pp - 1} stage boundaries (the first layer of each stage after "
+                        f"the first), but the plan lists {len(plan.stages)}")
+
+
+def _cuts(plan: Plan, graph: ModelGraph, chain: Chain) -> tuple[int, ...]:
+    index = {layer.name: layer.index for layer in graph.layers}
+    legal = set(legal_starts(graph, chain)) - {0}
+    cuts = []
+    for name in plan.stages:
+        if name not in index:
+            raise PlanError(f"stage boundary {name!r} is not a layer of the model")
+        if index[name] not in legal:
+            allowed = [graph.layers[i].name for i in sorted(legal)]
+            raise PlanError(f"a stage cannot start at layer {name!r}: more than one tensor (or a tp-split one) "
+                            f"crosses there; stages can start at {_some(allowed)}")
+        cuts.append(index[name])
+    if cuts != sorted(set(cuts)):
+        raise PlanError(f"stage boundaries {list(plan.stages)} must be distinct and in the model's order")
+    return tuple(cuts)
+
+
+def _breakdown(mem) -> str:
+    return ", ".join(f"{k} {v / 2**30:.3g}" for k, v in mem.as_dict().items() if k != "total" and v)
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    head = ", ".join(names[:limit])
+    return head + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
