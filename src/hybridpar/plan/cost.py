@@ -20,6 +20,7 @@ from hybridpar.plan.cluster import ClusterSpec, Link
 CONV_KINDS = frozenset({"conv", "conv_transpose"})
 MATMUL_KINDS = frozenset({"linear", "attention", "embedding"})
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # state tensors per parameter
+OPTIMIZER_TRAFFIC = {"adam": 7, "adamw": 7, "sgd": 5}  # tensors read + written per step: p, g, states in; p, states out
 BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket: the all-reduce left after backward ends
 
 
@@ -106,6 +107,11 @@ def pipeline_time(stage_times: list[float], num_micro_batches: int) -> float:
 def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int) -> int:
     """Activations stage ``stage`` holds at its peak under 1F1B: one per stage still to run forward."""
     return min(num_micro_batches, num_stages - stage)
+
+
+def optimizer_step_time(param_bytes: float, optimizer: str, cluster: ClusterSpec) -> float:
+    """The update of ``param_bytes`` of parameters: memory-bound, every tensor of it read or written once."""
+    return OPTIMIZER_TRAFFIC[optimizer] * param_bytes / cluster.memory_bandwidth
 
 
 def optimizer_state_bytes(param_bytes: float, optimizer: str) -> float:

@@ -216,16 +216,19 @@ def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int,
     index = [starts.index(b) for b in cuts]
     bounds = list(zip([0] + index, index + [len(units)]))
     times = [costs.stage_time(a, b) for a, b in bounds]
-    sync = max(costs.gradient_sync(a, b) for a, b in bounds)
-    step = cost.pipeline_time(times, m) + sync
+    tails = [(costs.gradient_sync(a, b), costs.optimizer_step(a, b)) for a, b in bounds]
+    sync, update = max(tails, key=sum)
+    step = cost.pipeline_time(times, m) + sync + update
     memory = [costs.memory(a, b, k) for k, (a, b) in enumerate(bounds)]
     slowest = max(bounds, key=lambda ab: costs.stage_time(*ab))
     layers = (starts[slowest[0]], starts[slowest[1]] if slowest[1] < len(starts) else len(chain.options))
-    return step, memory, _communication(chain, costs, layers, costs.send(slowest[1]), m, sync)
+    comm = _communication(chain, costs, layers, costs.send(slowest[1]), m, sync)
+    comm["compute"] += update
+    return step, memory, comm
 
 
 def _communication(chain: Chain, costs: StageCosts, layers, send: float, m: int, sync: float) -> dict:
-    """Exposed communication per step on the slowest stage, by kind."""
+    """Exposed communication per step on the slowest stage, by kind, and its ``compute``."""
     out: dict[str, float] = {}
     for i in range(*layers):
         for kind, t in chain.options[i].comm.items():

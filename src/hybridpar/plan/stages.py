@@ -179,6 +179,11 @@ class StageCosts:
             workspace += 2 * self.largest_params(a, b)  # the gathered layer and the next one prefetched
         return cost.Memory(params, grads, state, activations, workspace, s.cluster.reserved_memory)
 
+    def optimizer_step(self, a: int, b: int) -> float:
+        s = self.setting
+        shards = s.data_group.size if s.sharding >= 1 else 1
+        return cost.optimizer_step_time((self.params[b] - self.params[a]) / shards, s.optimizer, s.cluster)
+
     def gradient_sync(self, a: int, b: int) -> float:
         s = self.setting
         backward = (self.backward[b] - self.backward[a]) * s.micro_batches

@@ -1,0 +1,362 @@
+"""The planner: model analysis, cost terms, the exactness of every search step against brute force,
+Plan JSON and validation. Single process, meta device: nothing here allocates a real activation."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import TinyCosmoFlow, TinyUNet
+from torch.utils.flop_counter import FlopCounterMode
+
+from hybridpar.errors import GeometryError, PlanError
+from hybridpar.models import gpt
+from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, search_plans, validate
+from hybridpar.plan.cluster import ClusterSpec, Link
+from hybridpar.plan.layers import check_grid
+from hybridpar.plan.search import Constraints, _context, best_chain, legal_starts, meshes, micro_batch_counts, price
+from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
+from hybridpar.plan.validate import chain_of
+from hybridpar.spatial.geometry import Window, plan_exchange, split_bounds
+
+REL = 1e-9  # the search and the brute force add the same float terms in other orders
+
+
+class Attention(nn.Module):
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, T, d)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def small_cluster(devices: int, per_node: int = 2, memory_gib: float = 80.0) -> ClusterSpec:
+    base = preset("a100-80")
+    spec = ClusterSpec(name="test", num_nodes=1, devices_per_node=per_node, device_memory=memory_gib * 2**30,
+                       reserved_memory=0.5 * 2**30, peak_flops=base.peak_flops, efficiency=base.efficiency,
+                       memory_bandwidth=base.memory_bandwidth, intra_node=base.intra_node,
+                       inter_node=base.inter_node)
+    return spec.with_devices(devices)
+
+
+# --- analysis -------------------------------------------------------------------------------------
+
+def test_analysis_records_flops_saved_bytes_and_halos():
+    model = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8**3, 5))
+    g = analyse(model, (2, 2, 8, 8, 8))
+    assert [layer.kind for layer in g.layers] == ["conv", "pointwise", "flatten", "linear"]
+    with FlopCounterMode(display=False) as counter:
+        model[0](torch.zeros(2, 2, 8, 8, 8))
+    assert g.layers[0].flops == counter.get_total_flops()
+    assert g.layers[3].flops == 2 * 2 * 4 * 8**3 * 5
+    assert g.layers[0].halo == ((1, 1),) * 3
+    # the conv keeps its input, ReLU its output; Linear's input is a view of that output: not counted again
+    assert [layer.saved_bytes for layer in g.layers] == [2 * 2 * 512 * 4, 2 * 4 * 512 * 4, 0, 0]
+    assert g.layers[3].param_bytes == (4 * 512 * 5 + 5) * 4
+    assert g.num_params == sum(p.numel() for p in model.parameters())
+    assert g.cut_points == (0, 1, 2)
+
+
+def test_analysis_counts_attention_itself():
+    model = Attention(d=16, heads=4)
+    g = analyse(model, (2, 10, 16))
+    att = next(layer for layer in g.layers if layer.kind == "attention")
+    assert att.heads == 4
+    assert att.flops == 4 * 2 * 4 * 10 * 10 * 4  # Q·Kᵀ and P·V, 2·B·H·L·L·E each
+    qkv, out = 2 * 10 * 48 * 4, 2 * 10 * 16 * 4
+    assert att.saved_bytes == qkv + out + 2 * 4 * 10 * 4  # q, k, v (one tensor), output, log-sum-exp
+    assert g.layers[0].name == "qkv" and g.layers[-1].name == "proj"
+
+
+def test_gpt_blocks_repeat_and_cut_between_blocks():
+    with torch.device("meta"):
+        model = gpt(num_layers=3, num_heads=4, d_model=32, seq_len=16, vocab_size=64)
+    g = graph_of(model, torch.zeros(2, 16, dtype=torch.long))
+    assert g.num_params == model.num_parameters()
+    starts = {g.layers[i + 1].name for i in g.cut_points}
+    assert {"blocks.1.ln_1", "blocks.2.ln_1", "ln_f"} <= starts
+    assert not any(name.startswith("blocks.1.attn.proj") for name in starts)  # the residual crosses there
+    kinds = [seg[2] for seg in g.segments]
+    assert len(set(kinds)) < len(kinds)  # the blocks share their segment kinds
+
+
+def test_unet_cannot_be_cut_across_a_skip_connection():
+    g = analyse(TinyUNet(channels=1, width=4, classes=3), (1, 1, 8, 8, 8))
+    cat = next(layer for layer in g.layers if layer.kind == "cat")
+    skip = min(p for p in cat.inputs)
+    assert skip in g.skip_sources
+    assert not any(skip < c < cat.index for c in g.cut_points)  # after the skip source itself is fine
+
+
+def test_analysis_leaves_a_real_model_alone():
+    model = TinyCosmoFlow(size=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    analyse(model, (1, 2, 16, 16, 16))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_shape_the_model_cannot_take_is_named():
+    with pytest.raises(PlanError, match=r"\(1, 3, 16, 16, 16\)"):
+        analyse(TinyCosmoFlow(size=16, channels=2), (1, 3, 16, 16, 16))
+
+
+# --- cost terms -----------------------------------------------------------------------------------
+
+def test_collective_formulas():
+    group = cost.Group(4, Link(bandwidth=1e9, latency=1e-6))
+    assert cost.all_reduce_time(8e6, group) == pytest.approx(6e-6 + 1.5 * 8e6 / 1e9)
+    assert cost.all_gather_time(8e6, group) == pytest.approx(3e-6 + 0.75 * 8e6 / 1e9)
+    assert cost.send_time(1e6, group.link) == pytest.approx(1e-6 + 1e-3)
+    assert cost.all_reduce_time(8e6, cost.Group(1, group.link)) == 0.0
+    assert cost.pipeline_time([1.0, 3.0, 2.0], 4) == 3 * 3.0 + 6.0
+    assert [cost.micro_batches_in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert cost.model_state_memory(100.0, 0, 4, "adam") == (100.0, 100.0, 200.0)
+    assert cost.model_state_memory(100.0, 3, 4, "adam") == (25.0, 25.0, 50.0)
+    assert cost.model_state_memory(100.0, 1, 4, "sgd") == (100.0, 100.0, 25.0)
+
+
+def test_groups_span_nodes_by_their_stride():
+    spec = small_cluster(8, per_node=4)
+    assert cost.Group.of(spec, 4, 1).link is spec.intra_node
+    assert cost.Group.of(spec, 2, 4).link is spec.inter_node
+    assert cost.Group.of(spec, 2, 2).link is spec.intra_node
+
+
+def test_grid_check_follows_the_runtime_rule():
+    """The closed form of ``check_grid`` refuses exactly the splits whose halo ``plan_exchange`` refuses."""
+    for size, parts, kernel, stride, pad in itertools.product((4, 6, 9, 16), (2, 3, 4, 8), (1, 3, 5, 7),
+                                                                (1, 2), (0, 1, 2, 3)):
+        if parts > size or pad > kernel // 2 * 2:
+            continue
+        conv = nn.Conv1d(1, 1, kernel, stride=stride, padding=pad)
+        try:
+            g = analyse(conv, (1, 1, size))
+        except PlanError:
+            continue  # the conv itself does not fit the input
+        out = g.layers[0].out_shape[2]
+        window = Window(kernel, stride, pad)
+        needs = tuple(window.need(*b) for b in split_bounds(out, parts))
+        try:
+            for part in range(parts):
+                plan_exchange(axis=0, size=size, parts=parts, needs=needs, boundary="zeros", part=part, where="x")
+            runtime_ok = out >= parts
+        except GeometryError:
+            runtime_ok = False
+        try:
+            check_grid(g, (parts,))
+            planner_ok = True
+        except PlanError:
+            planner_ok = False
+        assert planner_ok == runtime_ok, (size, parts, kernel, stride, pad)
+
+
+# --- exactness of the search against brute force --------------------------------------------------
+
+def _ctx(graph, spec, dp=1, grid=(1,), tp=2, micro_batch=2):
+    return _context(spec, Constraints(global_batch=micro_batch * dp), dp, grid, tp, micro_batch)
+
+
+def _brute_force_chain(graph, ctx):
+    cache = {}
+    choices = []
+    for i, layer in enumerate(graph.layers):
+        from hybridpar.plan.search import _options
+
+        choices.append([o.strategy for o in _options(layer, graph, ctx, layer.inputs == (i - 1,), cache)])
+    best = math.inf
+    for combo in itertools.product(*choices):
+        chain = chain_of(graph, ctx, {layer.name: s for layer, s in zip(graph.layers, combo)}, cache)
+        best = min(best, sum(chain.layer_time(i) for i in range(len(graph.layers))))
+    return best, math.prod(len(c) for c in choices)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "attention", "gpt"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_per_layer_strategies_are_exact(name, tp):
+    models = {
+        "mlp": (lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                                      nn.Linear(64, 8)), (4, 64)),
+        "cnn": (lambda: TinyCosmoFlow(size=16, channels=4, width=8), (2, 4, 16, 16, 16)),
+        "attention": (lambda: Attention(d=32, heads=4), (2, 64, 32)),
+        "gpt": (lambda: gpt(num_layers=1, num_heads=4, d_model=32, seq_len=32, vocab_size=64),
+                torch.zeros(2, 32, dtype=torch.long)),
+    }
+    factory, example = models[name]
+    graph = graph_of(factory(), example)
+    spec = small_cluster(8, per_node=8)
+    for micro_batch in (1,) if name == "gpt" else (1, 64):  # gpt: 6,912 assignments per case
+        ctx = _ctx(graph, spec, tp=tp, micro_batch=micro_batch)
+        found = best_chain(graph, ctx)
+        total = sum(found.layer_time(i) for i in range(len(graph.layers)))
+        oracle, count = _brute_force_chain(graph, ctx)
+        assert count > 1
+        assert total == pytest.approx(oracle, rel=REL)
+        again = chain_of(graph, ctx, {graph.layers[i].name: o.strategy for i, o in enumerate(found.options)})
+        assert sum(again.layer_time(i) for i in range(len(graph.layers))) == pytest.approx(total, rel=REL)
+
+
+def test_megatron_pattern_is_found_for_attention():
+    graph = graph_of(Attention(d=1024, heads=16), (8, 512, 1024))
+    found = best_chain(graph, _ctx(graph, small_cluster(8, per_node=8), tp=4, micro_batch=8))
+    strategies = {graph.layers[i].name: o.strategy for i, o in enumerate(found.options)}
+    assert strategies["qkv"] == "column" and strategies["proj"] == "row"
+    assert any(s == "shard" for n, s in strategies.items() if "scaled_dot_product_attention" in n)
+
+
+def _random_units(n, rng):
+    def values(lo, hi):
+        return tuple(rng.uniform(lo, hi) for _ in range(n))
+
+    return Units(tuple(range(n)), values(0.1, 1), values(0, 0.3), values(0, 0.6), values(0, 4e9), (1,) * n,
+                 values(0, 8e9), values(0, 2e9), values(0, 1e9), values(0, 1e9), values(0, 5e9))
+
+
+def test_pipeline_cuts_are_exact():
+    spec = preset("a100-80")
+    checked = 0
+    for trial in range(150):
+        rng = random.Random(trial)
+        n = rng.randint(2, 9)
+        k = rng.randint(2, min(n, 4))
+        setting = StageSetting(spec, k, rng.randint(k, 3 * k), rng.choice([0, 1, 2, 3]), rng.random() < 0.5,
+                               "adam", cost.Group(8, spec.intra_node), spec.inter_node)
+        costs = StageCosts(_random_units(n, rng), setting)
+        limit = rng.uniform(20e9, 120e9)
+        best = math.inf
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = list(zip((0,) + cuts, cuts + (n,)))
+            if all(costs.memory(a, b, s).total <= limit for s, (a, b) in enumerate(bounds)):
+                best = min(best, cost.pipeline_time([costs.stage_time(a, b) for a, b in bounds],
+                                                    setting.micro_batches))
+        got = best_cuts(costs, limit)
+        if got is None:
+            assert best == math.inf
+            continue
+        bounds = list(zip((0,) + got, got + (n,)))
+        assert all(costs.memory(a, b, s).total <= limit for s, (a, b) in enumerate(bounds))
+        value = cost.pipeline_time([costs.stage_time(a, b) for a, b in bounds], setting.micro_batches)
+        assert value == pytest.approx(best, rel=REL)
+        checked += 1
+    assert checked > 100
+
+
+def _brute_force_search(graph, spec, c):
+    """Every mesh, micro-batch count, ZeRO level, checkpointing and legal cut, priced by ``price``."""
+    best = (math.inf, None)
+    for mesh in meshes(spec.num_devices, graph, c, spec.devices_per_node):
+        dp, grid, tp, pp = mesh
+        try:
+            check_grid(graph, grid)
+        except PlanError:
+            continue
+        per_replica = c.global_batch // dp
+        for m in micro_batch_counts(per_replica, pp, c):
+            chain = best_chain(graph, _context(spec, c, dp, grid, tp, per_replica // m))
+            starts = legal_starts(graph, chain)[1:]
+            for z in (c.sharding if dp * math.prod(grid) > 1 else (0,)):
+                for ckpt in c.checkpointing:
+                    for cuts in itertools.combinations(starts, pp - 1):
+                        step, memory, _ = price(graph, spec, c, mesh, m, z, ckpt, chain, cuts)
+                        if max(mem.total for mem in memory) <= spec.device_memory and step < best[0]:
+                            best = (step, (mesh, m, z, ckpt, cuts))
+    return best
+
+
+@pytest.mark.parametrize("memory_gib", [80.0, 0.5005, 0.50003])
+@pytest.mark.parametrize("top", [1, 5])
+def test_search_agrees_with_brute_force(memory_gib, top):
+    """Small enough to enumerate: 8 devices on 2-device nodes, a CNN with tp-splittable convs and many cut
+    points, and memory limits that rule out more and more candidates."""
+    graph = graph_of(TinyCosmoFlow(size=16, channels=2, width=4), (1, 2, 16, 16, 16))
+    spec = small_cluster(8, per_node=2, memory_gib=memory_gib)
+    c = Constraints(global_batch=8, top=top, max_micro_batches=2)
+    oracle, _ = _brute_force_search(graph, spec, c)
+    result = search_plans(graph, None, spec, global_batch=8, top=top, max_micro_batches=2)
+    if oracle == math.inf:
+        assert not result.plans
+        return
+    assert result.plans[0].prediction.step_time == pytest.approx(oracle, rel=REL)
+    assert len(result.plans) <= top
+
+
+# --- plans ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cnn_graph():
+    return graph_of(TinyCosmoFlow(size=16, channels=2, width=4), (1, 2, 16, 16, 16))
+
+
+def test_plan_round_trips_through_json(cnn_graph):
+    spec = small_cluster(8, per_node=8)
+    found = plan(cnn_graph, None, spec, global_batch=8, pp=2)
+    again = Plan.from_json(found.to_json())
+    assert again == found
+    assert validate(again, cnn_graph, spec).prediction == found.prediction
+
+
+def test_plan_json_errors():
+    with pytest.raises(PlanError, match="schema_version"):
+        Plan.from_json('{"schema_version": 99}')
+    with pytest.raises(PlanError, match="unknown key 'dpp'"):
+        Plan.from_json('{"schema_version": 1, "dpp": 2}')
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json("{", where="plan.json")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dp=3), r"dp=3 .* 3 devices, but the cluster has 4"),
+    (dict(global_batch=6, dp=4), r"global_batch = 6 does not split into dp=4"),
+    (dict(layers=(("features.9", "column"),)), r"layer 'features.9', which the model does not have"),
+    (dict(tp=4, dp=1, layers=(("features.0", "row"),)), r"layer 'features.0' \(Conv3d\) cannot run 'row' with tp=4: "
+                                                         r"its 2 input features"),
+    (dict(tp=2, dp=2, layers=(("head.0", "shard"),)), r"layer 'head.0' \(Flatten\) cannot run 'shard'"),
+    (dict(pp=2, dp=2, micro_batches=2, stages=()), r"pp=2 needs 1 stage boundaries"),
+    (dict(pp=2, dp=2, micro_batches=2, stages=("nope",)), r"'nope' is not a layer"),
+])
+def test_validation_names_what_is_wrong(cnn_graph, change, message):
+    spec = small_cluster(4, per_node=4)
+    hand = Plan(**{"dp": 4, "global_batch": 8, **change})
+    with pytest.raises(PlanError, match=message):
+        validate(hand, cnn_graph, spec)
+
+
+def test_validation_refuses_a_stage_inside_a_skip():
+    g = analyse(TinyUNet(channels=1, width=4, classes=3), (1, 1, 8, 8, 8))
+    cat = next(layer for layer in g.layers if layer.kind == "cat")
+    inside = g.layers[cat.index - 1].name
+    hand = Plan(dp=1, pp=2, micro_batches=2, global_batch=2, stages=(inside,))
+    with pytest.raises(PlanError, match=f"a stage cannot start at layer '{inside}'"):
+        validate(hand, g, small_cluster(2, per_node=2))
+
+
+def test_validation_refuses_a_plan_that_does_not_fit(cnn_graph):
+    spec = small_cluster(1, per_node=1, memory_gib=0.5001)
+    with pytest.raises(PlanError, match=r"stage 0 \(from layer 'features.0'\) needs .* GiB per device"):
+        validate(Plan(global_batch=64), cnn_graph, spec)
+
+
+def test_no_plan_says_what_would_fit(cnn_graph):
+    spec = small_cluster(1, per_node=1, memory_gib=0.52)
+    with pytest.raises(PlanError) as err:
+        plan(cnn_graph, None, spec, global_batch=64)
+    text = str(err.value)
+    assert "no plan fits 1 test devices" in text and "would fit with" in text and "global batch of" in text
+
+
+def test_the_search_explains_the_families_that_lose(cnn_graph):
+    result = search_plans(cnn_graph, None, small_cluster(8, per_node=8), global_batch=8)
+    assert result.plans and result.num_candidates > 10
+    assert set(result.rejected) >= {"dp", "dp x pp"}
+    assert all(isinstance(v, str) and v for v in result.rejected.values())
