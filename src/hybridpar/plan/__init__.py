@@ -84,6 +84,8 @@ def no_fit_message(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, resu
              f"({cluster.device_memory / 2**30:.3g} GiB each) with global batch {c.global_batch}"]
     if result.closest:
         lines.append(f"closest: {result.closest}")
+    else:
+        lines.extend(f"{name}: {why}" for name, why in list(result.rejected.items())[:3])
     hints = []
     for factor in (2, 4, 8, 16, 32, 64):
         n = cluster.num_devices * factor
@@ -103,6 +105,14 @@ def no_fit_message(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, resu
         except HybridparError:
             pass
         batch //= 2
+    for factor in (2, 4, 8, 16, 32, 64, 128, 256):
+        bigger = Constraints(**{**c.__dict__, "global_batch": c.global_batch * factor})
+        try:
+            if search(graph, cluster, bigger).plans:
+                hints.append(f"a global batch of {bigger.global_batch} (more samples for data parallelism)")
+                break
+        except HybridparError:
+            continue
     if tuple(c.sharding) != (0, 1, 2, 3) or tuple(c.checkpointing) != (False, True):
         hints.append("allowing every sharding level and activation checkpointing")
     if any(v is not None for v in (c.dp, c.spatial, c.tp, c.pp)):

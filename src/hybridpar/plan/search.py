@@ -42,7 +42,9 @@ class Constraints:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One point of the search space, with its verdict: ``plan`` if it fits, ``reason`` if not."""
+    """One point of the search space, with its verdict: ``plan`` if it fits; ``reason`` if not (and the
+    memory it needs); neither if it was not priced because ``bound`` (a lower bound of its step time)
+    could not win."""
 
     mesh: tuple  # (dp, grid, tp, pp)
     micro_batches: int
@@ -52,6 +54,7 @@ class Candidate:
     memory: float = math.inf
     plan: Plan | None = None
     reason: str = ""
+    bound: float = 0.0
 
 
 @dataclass
@@ -288,8 +291,8 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
         beat = sorted(best_per_mesh.values())[c.top - 1] if len(best_per_mesh) >= c.top else math.inf
         beat = min(beat, best_per_mesh.get(mesh, math.inf))
         cand = _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat)
-        if cand.step_time == math.inf and not cand.reason:  # its tighter bound could not beat `beat`
-            log.skip(mesh, cand.memory)
+        if cand.plan is None and not cand.reason:
+            log.skip(mesh, cand.bound)
             continue
         if cand.plan is None:
             log.fail(mesh, cand.reason, cand.memory)
@@ -353,8 +356,8 @@ def _units(graph, cluster, c, mesh, micro_batch, cache) -> Units:
 
 
 def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) -> Candidate:
-    """The candidate priced, or (with no reason, its lower bound in ``memory``) one that cannot be faster
-    than ``beat``: the bound of its own per-layer times, before the cut search."""
+    """The candidate priced, or not if the bound of its own per-layer times (checked before the cut
+    search) cannot beat ``beat``."""
     dp, grid, tp, pp = mesh
     chain, units = _chain(graph, cluster, c, mesh, c.global_batch // (dp * m), cache)
     if len(units) < pp:
@@ -367,7 +370,7 @@ def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) ->
     total = units.total_time(setting)
     bound = (m - 1) * max(total / pp, max(units.time)) + total
     if bound >= beat:
-        return Candidate(mesh, m, z, ckpt, memory=bound)
+        return Candidate(mesh, m, z, ckpt, bound=bound)
     return _candidate(graph, cluster, c, mesh, m, z, ckpt, (chain, units), StageCosts(units, setting), limit)
 
 

@@ -1,0 +1,137 @@
+"""``hybridpar plan``: the best plans for a model on a cluster, as a table or JSON, and the best one to a file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hybridpar.errors import HybridparError
+
+GiB = 2**30
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """``1x4x128x128x128`` -> ``(1, 4, 128, 128, 128)``."""
+    try:
+        dims = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give the input shape as sizes joined by x, batch first, "
+                                         "e.g. 1x4x128x128x128")
+    return dims
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(sorted({int(p) for p in text.split(",")}))
+    except ValueError:
+        levels = ()
+    if not levels or any(level not in (0, 1, 2, 3) for level in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: give ZeRO levels among 0,1,2,3 separated by commas")
+    return levels
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the fastest ways to run a model on a cluster, predicted (no GPUs needed)")
+    p.add_argument("--model", required=True,
+                   help="cosmoflow, unet3d, a GPT preset (gpt2-small ... gpt3-175b) or pkg.module:factory")
+    p.add_argument("--input", type=shape, required=True, help="example input, batch first, e.g. 1x4x512x512x512")
+    p.add_argument("--cluster", required=True, help="a preset (v100, a100-40, a100-80, h100, h200, mi250x) or a "
+                                                    "cluster TOML file (hybridpar calibrate writes one)")
+    p.add_argument("--devices", type=int, default=None, help="devices in all (default: the cluster file's)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: the input's batch)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
+    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    for axis in ("dp", "tp", "pp"):
+        p.add_argument(f"--{axis}", type=int, default=None, help=f"fix the {axis} degree")
+    p.add_argument("--spatial", default=None, help="fix the spatial grid, e.g. 4,2,1")
+    p.add_argument("--sharding", type=_levels, default=(0, 1, 2, 3), help="ZeRO levels to consider (default 0,1,2,3)")
+    p.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
+    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--out", default=None, help="write the best plan as JSON to this file")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or json")
+
+
+def run(args, console: Console) -> int:
+    from hybridpar.models.registry import build_for_planning
+    from hybridpar.plan import cluster_of, graph_of, no_fit_message, search_plans
+    from hybridpar.plan.search import Constraints
+
+    if args.out and Path(args.out).exists() and not args.overwrite:
+        raise HybridparError(f"{args.out} exists; pass --overwrite to replace it, or choose another --out")
+    spec = cluster_of(args.cluster)
+    spec = spec.with_devices(args.devices) if args.devices else spec
+    model, example = build_for_planning(args.model, args.input)
+    start = time.perf_counter()
+    graph = graph_of(model, example, args.dtype)
+    analysed = time.perf_counter()
+    constraints = dict(optimizer=args.optimizer, dp=args.dp, tp=args.tp, pp=args.pp, sharding=args.sharding,
+                       spatial=_grid(args.spatial, graph), top=args.top,
+                       checkpointing=(False,) if args.no_checkpointing else (False, True))
+    result = search_plans(graph, None, spec, global_batch=args.batch, dtype=args.dtype, **constraints)
+    searched = time.perf_counter()
+    if not result.plans:
+        c = Constraints(global_batch=args.batch or graph.batch, dtype=args.dtype, **constraints)
+        raise HybridparError(no_fit_message(graph, spec, c, result))
+    if args.out:
+        Path(args.out).write_text(result.plans[0].to_json() + "\n")
+    if args.format == "json":
+        print(json.dumps({"plans": [p.to_dict() for p in result.plans], "rejected": result.rejected}, indent=2))
+        return 0
+    console.print(_summary(args, graph, spec, result, analysed - start, searched - analysed), highlight=False,
+                  soft_wrap=True)
+    console.print(_plans_table(result.plans))
+    console.print(_losers_table(result))
+    if args.out:
+        console.print(f"best plan written to {args.out} (use it with plan = \"{args.out}\" in a training config)")
+    return 0
+
+
+def _grid(text: str | None, graph) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        grid = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        grid = ()
+    if len(grid) != graph.spatial_ndim or min(grid, default=0) < 1:
+        raise HybridparError(f"--spatial {text!r}: give {graph.spatial_ndim} part counts >= 1 separated by commas "
+                             f"(one per spatial dim of the input {graph.input_shape})")
+    return grid
+
+
+def _summary(args, graph, spec, result, analyse_s: float, search_s: float) -> str:
+    flops = graph.flops / graph.batch
+    return (f"[bold]{args.model}[/]: {len(graph.layers)} layers, {graph.num_params / 1e6:,.1f} M parameters, "
+            f"{flops / 1e12:.3g} TFLOP forward per sample; {spec.num_devices} x {spec.name} "
+            f"({spec.device_memory / GiB:.3g} GiB each); global batch {result.plans[0].global_batch}, "
+            f"{args.dtype}; {result.num_candidates} candidates searched in {search_s:.2f} s "
+            f"(analysis {analyse_s:.2f} s)")
+
+
+def _plans_table(plans) -> Table:
+    table = Table("#", "plan", "step (ms)", "samples/s", "GiB/device", "memory: params / grads / optimizer / "
+                  "activations / workspace / reserved (GiB)", "exposed communication (ms)", title="best plans")
+    for rank, p in enumerate(plans, 1):
+        pred = p.prediction
+        mem = pred.memory
+        parts = " / ".join(f"{mem[k] / GiB:.3g}" for k in ("parameters", "gradients", "optimizer", "activations",
+                                                           "workspace", "reserved"))
+        comm = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in sorted(pred.communication.items(), key=lambda kv: -kv[1]))
+        table.add_row(str(rank), p.describe(), f"{pred.step_time * 1e3:.4g}", f"{pred.samples_per_second:.4g}",
+                      f"{mem['total'] / GiB:.3g}", parts, comm or "-")
+    return table
+
+
+def _losers_table(result) -> Table:
+    table = Table("strategies", "best of them, or why they lose", title="the other strategies")
+    for family, why in result.rejected.items():
+        table.add_row(family, why)
+    return table
