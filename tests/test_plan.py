@@ -360,3 +360,14 @@ def test_the_search_explains_the_families_that_lose(cnn_graph):
     assert result.plans and result.num_candidates > 10
     assert set(result.rejected) >= {"dp", "dp x pp"}
     assert all(isinstance(v, str) and v for v in result.rejected.values())
+
+
+def test_gpt3_175b_analyses_on_the_meta_device():
+    with torch.device("meta"):
+        model = gpt(preset="gpt3-175b")
+    g = graph_of(model, torch.zeros(1, 2048, dtype=torch.long), "bfloat16")
+    assert g.num_params == model.num_parameters() > 175e9
+    assert len(g.layers) == 4 + 96 * 12 + 2
+    assert sum(1 for layer in g.layers if layer.kind == "attention") == 96
+    # token embedding; position embedding and the sum; the two halves of a block; the head
+    assert len({kind for _, _, kind in g.segments}) == 5

@@ -9,6 +9,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from hybridpar import plan_cli
 from hybridpar.errors import HybridparError
 
 TOLERANCE = 1e-9  # float64 end to end; differences are summation order only (~1e-15)
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="dtype of the compute measurements (default float32)")
     cal.add_argument("--quick", action="store_true", help="fewer repeats and message sizes (seconds, noisier)")
     cal.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     try:
-        return {"demo": _demo, "train": _train, "data": _data, "calibrate": _calibrate}[args.command](args, console)
+        return {"demo": _demo, "train": _train, "data": _data, "calibrate": _calibrate,
+                "plan": plan_cli.run}[args.command](args, console)
     except HybridparError as err:
         console = Console(stderr=True)
         console.print("[red]error[/]: ", end="")

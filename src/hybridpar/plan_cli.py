@@ -116,22 +116,35 @@ def _summary(args, graph, spec, result, analyse_s: float, search_s: float) -> st
             f"(analysis {analyse_s:.2f} s)")
 
 
+SHORT = {"activations": "act", "workspace": "work", "reserved": "rsv", "parameters": "par", "gradients": "grad",
+         "optimizer": "opt", "pipeline": "pipe", "spatial": "norm"}
+
+
+def _largest(values: dict[str, float], scale: float, names: dict[str, str] | None = None, count: int = 4) -> str:
+    """The largest ``count`` entries, e.g. ``act 1.65 · rsv 2``, in units of ``1 / scale``."""
+    items = sorted(((k, v) for k, v in values.items() if v > 0), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{(names or {}).get(k, k)} {v * scale:.3g}" for k, v in items) or "-"
+
+
 def _plans_table(plans) -> Table:
-    table = Table("#", "plan", "step (ms)", "samples/s", "GiB/device", "memory: params / grads / optimizer / "
-                  "activations / workspace / reserved (GiB)", "exposed communication (ms)", title="best plans")
+    table = Table("#", "plan", "ms/step", "samples/s", "GiB", "of which (GiB)", "exposed comm. (ms)",
+                  title="best plans (time per step, memory per device)")
+    table.columns[1].no_wrap = True
     for rank, p in enumerate(plans, 1):
         pred = p.prediction
-        mem = pred.memory
-        parts = " / ".join(f"{mem[k] / GiB:.3g}" for k in ("parameters", "gradients", "optimizer", "activations",
-                                                           "workspace", "reserved"))
-        comm = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in sorted(pred.communication.items(), key=lambda kv: -kv[1]))
+        memory = {k: v for k, v in pred.memory.items() if k != "total"}
         table.add_row(str(rank), p.describe(), f"{pred.step_time * 1e3:.4g}", f"{pred.samples_per_second:.4g}",
-                      f"{mem['total'] / GiB:.3g}", parts, comm or "-")
+                      f"{pred.memory['total'] / GiB:.3g}", _largest(memory, 1 / GiB, SHORT, 3),
+                      _largest(pred.communication, 1e3, SHORT, 3))
     return table
 
 
 def _losers_table(result) -> Table:
+    from hybridpar.plan.search import family
+
     table = Table("strategies", "best of them, or why they lose", title="the other strategies")
-    for family, why in result.rejected.items():
-        table.add_row(family, why)
+    winner = family((result.plans[0].dp, result.plans[0].spatial, result.plans[0].tp, result.plans[0].pp))
+    for name, why in result.rejected.items():
+        if name != winner:
+            table.add_row(name, why)
     return table

@@ -1,0 +1,63 @@
+"""Models by name for the planner's commands: a built-in workload, a GPT preset or ``pkg.module:factory``,
+built on the meta device (no memory) with an example input of the shape given."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+
+from hybridpar.errors import HybridparError
+from hybridpar.models.cosmoflow import cosmoflow
+from hybridpar.models.gpt import GPT_PRESETS, gpt
+from hybridpar.models.unet3d import unet3d
+
+VOLUME_MODELS = ("cosmoflow", "unet3d")
+
+
+def known_names() -> list[str]:
+    return [*VOLUME_MODELS, *GPT_PRESETS]
+
+
+def build_for_planning(name: str, input_shape: tuple[int, ...]) -> tuple[nn.Module, torch.Tensor]:
+    """A meta-device model and a meta example input of ``input_shape`` (batch first).
+
+    ``cosmoflow`` takes its edge and channels from ``(N, C, S, S, S)``; ``unet3d`` its channels; a GPT preset
+    takes token ids ``(B, T)``; ``pkg.module:factory`` is called with no arguments and gets a float input.
+    """
+    with torch.device("meta"):
+        if name == "cosmoflow":
+            _check_volume(name, input_shape)
+            return cosmoflow(size=input_shape[2], in_channels=input_shape[1]), torch.empty(input_shape)
+        if name == "unet3d":
+            _check_volume(name, input_shape)
+            return unet3d(in_channels=input_shape[1]), torch.empty(input_shape)
+        if name in GPT_PRESETS:
+            if len(input_shape) != 2:
+                raise HybridparError(f"--model {name} takes token ids of shape BxT, e.g. 1x{GPT_PRESETS[name].seq_len}; "
+                                     f"got {'x'.join(map(str, input_shape))}")
+            return gpt(preset=name), torch.zeros(input_shape, dtype=torch.long)
+        if ":" in name:
+            return _factory(name)(), torch.empty(input_shape)
+    raise HybridparError(f"--model {name!r}: use one of {', '.join(known_names())}, or pkg.module:factory "
+                         "for a function that returns an nn.Module")
+
+
+def _check_volume(name: str, shape: tuple[int, ...]) -> None:
+    if len(shape) != 5 or len(set(shape[2:])) != 1:
+        raise HybridparError(f"--model {name} takes a cubic volume NxCxSxSxS, e.g. 1x4x128x128x128; "
+                             f"got {'x'.join(map(str, shape))}")
+
+
+def _factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise HybridparError(f"--model {spec}: cannot import {module_name!r} ({err}); check the name and that it "
+                             "is on PYTHONPATH") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise HybridparError(f"--model {spec}: {module_name!r} has no function {attr!r}")
+    return factory
