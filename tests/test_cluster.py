@@ -11,7 +11,7 @@ import pytest
 from hybridpar.calibrate import fit_p2p, fit_ring
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
-from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ClusterSpec, GiB, Link, preset
+from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ClusterSpec, ConvEfficiency, GiB, Link, preset
 from hybridpar.plan.io import cluster_from_toml, cluster_to_toml, load_cluster, write_cluster
 
 A100 = PRESETS["a100-80"]
@@ -275,3 +275,25 @@ def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, c
     err = capsys.readouterr().err
     assert f"{out} exists; pass --overwrite" in err and "Traceback" not in err
     assert out.read_text() == before
+
+
+def test_conv_efficiency_curve_round_trips_and_interpolates():
+    rows = (ConvEfficiency(16, 0.9, 0.8, 0.7), ConvEfficiency(1, 0.3, 0.1, 0.2))
+    spec = dataclasses.replace(preset("a100-80"), conv_efficiency=rows)
+    assert spec.conv_efficiency[0].in_channels == 1  # sorted by channels
+    again = cluster_from_toml(cluster_to_toml(spec))
+    assert again == spec
+    peak = spec.peak_flops["float32"]
+    assert spec.conv_flops("float32", 1) == pytest.approx((0.3 * peak, 0.1 * peak, 0.2 * peak))
+    assert spec.conv_flops("float32", 4) == pytest.approx((0.6 * peak, 0.45 * peak, 0.45 * peak))  # half way in log2
+    assert spec.conv_flops("float32", 256) == pytest.approx((0.9 * peak, 0.8 * peak, 0.7 * peak))  # clamped
+    plain = preset("a100-80")
+    assert plain.conv_flops("float32", 3) == (plain.flops("float32", "conv"),) * 3
+
+
+def test_conv_efficiency_rows_are_checked():
+    with pytest.raises(ClusterError, match=r"conv_efficiency\[in_channels=4\].forward = 1.5"):
+        ConvEfficiency(4, 1.5, 0.5, 0.5)
+    text = cluster_to_toml(preset("a100-80")) + "\n[[conv_efficiency]]\nin_channels = 4\nforward = 0.5\n"
+    with pytest.raises(ClusterError, match=r"missing key conv_efficiency\[0\].backward"):
+        cluster_from_toml(text, "c.toml")

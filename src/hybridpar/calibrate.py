@@ -7,7 +7,11 @@ oversubscription and shared memory bandwidth are measured, not assumed. Per work
 - matmul (1024 x 1024 @ 1024 x 1024, 2 M N K FLOPs) -> ``peak_flops[dtype]``, so ``efficiency.matmul = 1``;
 - conv3d forward + backward on (2, 16, 32^3), 16 -> 16 channels, k = 3 (backward = 2 x forward FLOPs)
   -> ``efficiency.conv`` = conv / matmul throughput;
-- ``torch.add(a, b, out=c)`` on 64 MiB tensors (3 x 64 MiB moved) -> ``memory_bandwidth``.
+- conv3d (k = 3, 32 output channels) on (2, C, 32^3) for C in 1, 4, 16, 64: forward, forward + backward, and
+  forward + backward of the weight alone -> ``conv_efficiency`` rows (thin inputs, like a network's first
+  layer, run far below a wide conv on CPUs; the planner interpolates in log2 C);
+- ``a + b`` on 64 MiB tensors into a fresh output (3 x 64 MiB moved) -> ``memory_bandwidth``: eager training
+  writes every activation to a new tensor, so first-touch page faults are part of the bandwidth it sees.
 
 Each timed repeat starts after a barrier; a worker's number is the median of its repeats, the machine's the
 median over workers. Communication: ping-pong between ranks 0 and 1 over message sizes, fitted to
@@ -34,13 +38,15 @@ import torch.nn.functional as F
 
 from hybridpar.errors import HybridparError
 from hybridpar.launch import init_distributed, launch_local, shutdown_distributed
-from hybridpar.plan.cluster import ClusterSpec, Link
+from hybridpar.plan.cluster import ClusterSpec, ConvEfficiency, Link
 
 DTYPES = ("float32", "float64")
 MATMUL_EDGE = 1024
 CONV_INPUT = (2, 16, 32, 32, 32)  # (N, C, D, H, W): big enough for the mkldnn path in float32
 CONV_KERNEL = 3
 MEMORY_BYTES = 64 * 2**20  # per tensor of the elementwise add
+CONV_CHANNELS = (1, 4, 16, 64)  # input channels of the conv efficiency curve
+CURVE_OUT_CHANNELS = 32
 SMALL_BYTES = 256  # messages up to this size give the latency
 
 
@@ -112,18 +118,48 @@ def worker(settings: Settings, phases: tuple[str, ...]) -> dict | None:
 
 def _measure_compute(settings: Settings) -> dict:
     """Throughputs of matmul, conv3d and an elementwise add, their repeats interleaved so that a slow
-    moment of the machine slows all three alike (``efficiency.conv`` is their ratio)."""
+    moment of the machine slows all alike (``efficiency.conv`` and the conv curve are ratios to matmul)."""
     dtype = getattr(torch, settings.dtype)
     torch.manual_seed(dist.get_rank())
     n = MATMUL_EDGE
     a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
     conv_flops, conv_step = _conv_step(dtype)
-    x, y, z = (torch.ones(MEMORY_BYTES // a.element_size(), dtype=dtype) for _ in range(3))
-    work = {"matmul_flops": 2 * n**3, "conv_flops": conv_flops, "memory_bandwidth": 3 * MEMORY_BYTES}
-    fns = [lambda: torch.mm(a, b, out=c), conv_step, lambda: torch.add(x, y, out=z)]
+    x, y = (torch.ones(MEMORY_BYTES // a.element_size(), dtype=dtype) for _ in range(2))
+    work = [2 * n**3, conv_flops, 3 * MEMORY_BYTES]
+    fns = [lambda: torch.mm(a, b, out=c), conv_step, lambda: torch.add(x, y)]
+    curve = [_conv_curve_steps(channels, dtype, settings.quick) for channels in CONV_CHANNELS]
+    for _, steps in curve:
+        fns += steps
     times = [statistics.median(t) for t in _interleaved_times(fns, settings.repeats)]
-    rates = [amount / t for amount, t in zip(work.values(), times)]
-    return dict(zip(work, _median_over_ranks(rates)))
+    rates = [amount / t for amount, t in zip(work, times)]
+    efficiencies = []
+    for i, (flops, _) in enumerate(curve):
+        forward, both, weight = times[3 + 3 * i : 6 + 3 * i]
+        # a backward is its pass's time less the forward's (at least a tenth of the forward: noise)
+        efficiencies += [flops / forward, 2 * flops / max(both - forward, forward / 10),
+                         flops / max(weight - forward, forward / 10)]
+    values = _median_over_ranks(rates + [min(rate / rates[0], 1.0) for rate in efficiencies])
+    rows = [(channels, *values[3 + 3 * i : 6 + 3 * i]) for i, channels in enumerate(CONV_CHANNELS)]
+    return {"matmul_flops": values[0], "conv_flops": values[1], "memory_bandwidth": values[2], "conv_curve": rows}
+
+
+def _conv_curve_steps(channels: int, dtype: torch.dtype, quick: bool):
+    """Forward FLOPs of a 3x3x3 conv from ``channels`` to 32 channels, and three timed functions: forward;
+    forward and backward (input and weight gradients); forward and backward of the weight alone."""
+    edge = 16 if quick else 32
+    x = torch.randn(2, channels, edge, edge, edge, dtype=dtype)
+    x_grad = x.clone().requires_grad_()
+    w = (torch.randn(CURVE_OUT_CHANNELS, channels, 3, 3, 3, dtype=dtype) / (channels * 27) ** 0.5).requires_grad_()
+    grad_out = torch.randn(2, CURVE_OUT_CHANNELS, edge, edge, edge, dtype=dtype)
+    flops = 2 * 2 * CURVE_OUT_CHANNELS * edge**3 * channels * 27
+
+    def both():
+        torch.autograd.grad(F.conv3d(x_grad, w, padding=1), (x_grad, w), grad_out)
+
+    def weight():
+        torch.autograd.grad(F.conv3d(x, w, padding=1), (w,), grad_out)
+
+    return flops, [lambda: F.conv3d(x, w, padding=1), both, weight]
 
 
 def _interleaved_times(fns, repeats: int, warmup: int = 2) -> list[list[float]]:
@@ -288,6 +324,7 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
         device_memory=_mem_total() / nproc, reserved_memory=result["reserved_memory"],
         peak_flops={settings.dtype: result["matmul_flops"]}, efficiency={"matmul": 1.0, "conv": min(conv, 1.0)},
         memory_bandwidth=result["memory_bandwidth"], intra_node=link, inter_node=link,
+        conv_efficiency=tuple(ConvEfficiency(*row) for row in result["conv_curve"]),
     )
     when = datetime.datetime.now().isoformat(timespec="seconds")
     comment = (f"Measured by `hybridpar calibrate --nproc {nproc} --dtype {settings.dtype}"
@@ -305,7 +342,9 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
         (f"matmul {dtype} (peak_flops)", f"{cal.matmul_flops / 1e9:.1f}", "GFLOP/s"),
         ("conv3d forward + backward", f"{cal.conv_flops / 1e9:.1f}", "GFLOP/s"),
         ("efficiency.conv", f"{spec.efficiency['conv']:.3f}", ""),
-        ("memory bandwidth", f"{spec.memory_bandwidth / 1e9:.2f}", "GB/s"),
+        ("memory bandwidth (into a fresh tensor)", f"{spec.memory_bandwidth / 1e9:.2f}", "GB/s"),
+        *((f"conv from {r.in_channels} channels: forward / backward / weight", f"{r.forward:.2f} / "
+           f"{r.backward:.2f} / {r.weight_gradient:.2f}", "of peak") for r in spec.conv_efficiency),
         ("point-to-point latency", f"{link.latency * 1e6:.1f}", "µs"),
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
         (f"all-reduce step latency ({cal.allreduce_ranks} ranks)", f"{link.step_latency * 1e6:.1f}", "µs"),

@@ -75,6 +75,27 @@ class Link:
         return self.latency if self.collective_latency is None else self.collective_latency
 
 
+@dataclass(frozen=True, order=True)
+class ConvEfficiency:
+    """Achievable fraction of ``peak_flops`` of a convolution with ``in_channels`` input channels: its forward,
+    its backward (input and weight gradients) and its backward when only the weight needs a gradient."""
+
+    in_channels: int
+    forward: float
+    backward: float
+    weight_gradient: float
+
+    def __post_init__(self):
+        if isinstance(self.in_channels, bool) or not isinstance(self.in_channels, int) or self.in_channels < 1:
+            raise ClusterError(f"conv_efficiency.in_channels = {self.in_channels!r}: must be a whole number >= 1")
+        for field in ("forward", "backward", "weight_gradient"):
+            value = getattr(self, field)
+            _check_positive(f"conv_efficiency[in_channels={self.in_channels}].{field}", value)
+            if value > 1:
+                raise ClusterError(f"conv_efficiency[in_channels={self.in_channels}].{field} = {value!r}: a "
+                                   "fraction of peak, in (0, 1]")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """``num_nodes`` identical nodes of ``devices_per_node`` identical devices."""
@@ -89,9 +110,16 @@ class ClusterSpec:
     memory_bandwidth: float  # bytes/s of device memory (pointwise ops, normalisation, pooling)
     intra_node: Link
     inter_node: Link
+    # Optional, measured by `hybridpar calibrate`: conv efficiency by input channels (thin inputs, such as a
+    # network's first layer, run far below a wide conv's rate on CPUs). Empty: efficiency["conv"] for all.
+    conv_efficiency: tuple[ConvEfficiency, ...] = ()
 
     def __post_init__(self):
         owner = f"ClusterSpec {self.name!r}"
+        object.__setattr__(self, "conv_efficiency", tuple(sorted(self.conv_efficiency)))
+        for row in self.conv_efficiency:
+            if not isinstance(row, ConvEfficiency):
+                raise ClusterError(f"{owner}: conv_efficiency holds {row!r}: give ConvEfficiency rows")
         for field in ("peak_flops", "efficiency"):
             if not isinstance(getattr(self, field), Mapping):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a mapping, e.g. a dict")
@@ -145,6 +173,29 @@ class ClusterSpec:
         if kind not in self.efficiency:
             raise ClusterError(f"compute kind {kind!r} is unknown; use {', '.join(KINDS)}")
         return self.peak_flops[dtype] * self.efficiency[kind]
+
+    def conv_flops(self, dtype: str, in_channels: int) -> tuple[float, float, float]:
+        """Achievable FLOP/s of a conv's forward, backward and weight-only backward with ``in_channels`` inputs:
+        the measured curve interpolated in log2(channels) (clamped at its ends), or ``efficiency["conv"]``."""
+        peak = self.flops(dtype, "conv") / self.efficiency["conv"]
+        rows = self.conv_efficiency
+        if not rows:
+            rate = self.flops(dtype, "conv")
+            return rate, rate, rate
+        x = math.log2(max(in_channels, 1))
+        points = [math.log2(r.in_channels) for r in rows]
+        if x <= points[0]:
+            lo = hi = rows[0]
+            t = 0.0
+        elif x >= points[-1]:
+            lo = hi = rows[-1]
+            t = 0.0
+        else:
+            k = next(i for i, p in enumerate(points) if p >= x)
+            lo, hi = rows[k - 1], rows[k]
+            t = (x - points[k - 1]) / (points[k] - points[k - 1])
+        return tuple(peak * ((1 - t) * getattr(lo, f) + t * getattr(hi, f))
+                     for f in ("forward", "backward", "weight_gradient"))
 
     def with_devices(self, n: int) -> ClusterSpec:
         """The same hardware with ``n`` devices in all: one node of ``n`` or ``n / devices_per_node`` full nodes."""

@@ -50,6 +50,21 @@ def compute_time(flops: float, bytes_moved: float, kind: str, cluster: ClusterSp
     return max(flop_time, bytes_moved / cluster.memory_bandwidth)
 
 
+def layer_times(kind: str, flops: float, bytes_moved: float, cluster: ClusterSpec, dtype: str, *,
+                has_weight: bool, input_grad: bool, in_channels: int) -> tuple[float, float]:
+    """Forward and backward time of one layer. The backward computes the input gradient (if the input needs
+    one) and the weight gradient (if it has weights): about the forward's work each. Convolutions use the
+    cluster's rates for their input channels (``ClusterSpec.conv_flops``)."""
+    grads = int(input_grad) + int(has_weight)
+    if kind in CONV_KINDS:
+        forward_rate, backward_rate, weight_rate = cluster.conv_flops(dtype, in_channels)
+        rate = backward_rate if input_grad else weight_rate
+        memory = bytes_moved / cluster.memory_bandwidth
+        return max(flops / forward_rate, memory), max(grads * flops / rate, grads * memory) if grads else 0.0
+    forward = compute_time(flops, bytes_moved, kind, cluster, dtype)
+    return forward, (grads if has_weight else 2 * int(input_grad)) * forward
+
+
 def send_time(num_bytes: float, link: Link) -> float:
     return link.latency + num_bytes / link.bandwidth if num_bytes else 0.0
 

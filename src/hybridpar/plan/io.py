@@ -11,7 +11,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from hybridpar.errors import ClusterError
-from hybridpar.plan.cluster import DTYPES, KINDS, PRESETS, ClusterSpec, GiB, Link
+from hybridpar.plan.cluster import DTYPES, KINDS, PRESETS, ClusterSpec, ConvEfficiency, GiB, Link
 
 # unit -> power of ten from the TOML number to SI ("GiB" is binary, handled apart)
 EXP10 = {"GB/s": 9, "TFLOP/s": 12, "us": -6, "fraction": 0}
@@ -20,7 +20,9 @@ TOP = {  # key -> (ClusterSpec field, unit); tables are read by their own functi
     "device_memory_gib": ("device_memory", "GiB"), "reserved_memory_gib": ("reserved_memory", "GiB"),
     "memory_bandwidth_gbs": ("memory_bandwidth", "GB/s"), "peak_tflops": ("peak_flops", "table"),
     "efficiency": ("efficiency", "table"), "intra_node": ("intra_node", "table"), "inter_node": ("inter_node", "table"),
+    "conv_efficiency": ("conv_efficiency", "table"),
 }
+CONV = ("in_channels", "forward", "backward", "weight_gradient")  # keys of each [[conv_efficiency]] row
 LINK = {  # key -> (Link field, unit, required)
     "bandwidth_gbs": ("bandwidth", "GB/s", True), "latency_us": ("latency", "us", True),
     "collective_bandwidth_gbs": ("collective_bandwidth", "GB/s", False),
@@ -72,6 +74,9 @@ def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
         for key, (field, unit, _) in LINK.items():
             if getattr(link, field) is not None:
                 lines.append(f"{key} = {_to_toml(getattr(link, field), unit)}")
+    for row in spec.conv_efficiency:
+        lines += ["", "[[conv_efficiency]]", f"in_channels = {row.in_channels}"]
+        lines += [f"{key} = {_to_toml(getattr(row, key), 'fraction')}" for key in CONV[1:]]
     return "\n".join(lines) + "\n"
 
 
@@ -95,6 +100,7 @@ def _parse(table: dict) -> ClusterSpec:
     values["efficiency"] = _efficiency(_table(table, "efficiency"))
     for section in ("intra_node", "inter_node"):
         values[section] = _link(_table(table, section), section)
+    values["conv_efficiency"] = _conv_efficiency(table.get("conv_efficiency", []))
     if values["reserved_memory"] >= values["device_memory"]:
         raise ClusterError(f"reserved_memory_gib = {_to_toml(values['reserved_memory'], 'GiB')} leaves nothing of "
                            f"device_memory_gib = {_to_toml(values['device_memory'], 'GiB')}; make it smaller")
@@ -115,6 +121,22 @@ def _efficiency(table: dict) -> dict[str, float]:
         if value > 1:
             raise ClusterError(f"efficiency.{kind} = {table[kind]}: a fraction of peak, in (0, 1], e.g. 0.6")
     return values
+
+
+def _conv_efficiency(rows) -> tuple[ConvEfficiency, ...]:
+    """The optional ``[[conv_efficiency]]`` rows (one per measured input-channel count)."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ClusterError(f"conv_efficiency = {_show(rows)}: expected [[conv_efficiency]] tables")
+    out = []
+    for i, row in enumerate(rows):
+        prefix = f"conv_efficiency[{i}]."
+        _check_keys(row, CONV, prefix, "[[conv_efficiency]]")
+        values = {key: _value(row, key, prefix, "fraction") for key in CONV[1:]}
+        for key, value in values.items():
+            if value > 1:
+                raise ClusterError(f"{prefix}{key} = {row[key]}: a fraction of peak, in (0, 1]")
+        out.append(ConvEfficiency(_value(row, "in_channels", prefix, "int"), **values))
+    return tuple(out)
 
 
 def _link(table: dict, section: str) -> Link:

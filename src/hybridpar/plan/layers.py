@@ -176,10 +176,11 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     split = ctx.tp if name != "replicate" else 1
     params = layer.param_bytes / split
     act_bytes = (layer.bytes_moved - layer.param_bytes) * scale * fraction / split
-    forward = cost.compute_time(layer.flops * scale * fraction / split, act_bytes + params, layer.kind,
-                                ctx.cluster, ctx.dtype)
     first = all(p == INPUT for p in layer.inputs) or not layer.inputs or layer.kind == "embedding"
-    backward = forward if (first and layer.has_weight) else 0.0 if first else 2 * forward
+    in_channels = layer.channels[0] // (split if name == "row" else 1)
+    forward, backward = cost.layer_times(layer.kind, layer.flops * scale * fraction / split, act_bytes + params,
+                                         ctx.cluster, ctx.dtype, has_weight=layer.has_weight, input_grad=not first,
+                                         in_channels=in_channels)
     comm = {}
     if halo_per_sample:
         halo_bytes = halo_per_sample * ctx.micro_batch / (split if name in ("row", "shard") else 1)
