@@ -283,12 +283,13 @@ def test_conv_efficiency_curve_round_trips_and_interpolates():
     assert spec.conv_efficiency[0].in_channels == 1  # sorted by channels
     again = cluster_from_toml(cluster_to_toml(spec))
     assert again == spec
-    peak = spec.peak_flops["float32"]
+    peak = spec.peak_flops["tfloat32"]  # float32 convs run on TF32 tensor cores where the device has them
     assert spec.conv_flops("float32", 1) == pytest.approx((0.3 * peak, 0.1 * peak, 0.2 * peak))
     assert spec.conv_flops("float32", 4) == pytest.approx((0.6 * peak, 0.45 * peak, 0.45 * peak))  # half way in log2
     assert spec.conv_flops("float32", 256) == pytest.approx((0.9 * peak, 0.8 * peak, 0.7 * peak))  # clamped
     plain = preset("a100-80")
-    assert plain.conv_flops("float32", 3) == (plain.flops("float32", "conv"),) * 3
+    assert plain.conv_flops("float32", 3) == (plain.flops("tfloat32", "conv"),) * 3
+    assert preset("v100").conv_flops("float32", 3) == (preset("v100").flops("float32", "conv"),) * 3
 
 
 def test_conv_efficiency_rows_are_checked():

@@ -116,8 +116,9 @@ def test_a_shape_the_model_cannot_take_is_named():
 
 def test_collective_formulas():
     group = cost.Group(4, Link(bandwidth=1e9, latency=1e-6))
-    assert cost.all_reduce_time(8e6, group) == pytest.approx(6e-6 + 1.5 * 8e6 / 1e9)
-    assert cost.all_gather_time(8e6, group) == pytest.approx(3e-6 + 0.75 * 8e6 / 1e9)
+    assert cost.all_reduce_time(8e6, group) == pytest.approx(4e-6 + 1.5 * 8e6 / 1e9)  # log2(4) = 2 < 3 steps
+    assert cost.all_gather_time(8e6, group) == pytest.approx(2e-6 + 0.75 * 8e6 / 1e9)
+    assert [cost.collective_steps(n) for n in (1, 2, 3, 4, 5, 1024)] == [0, 1, 2, 2, 3, 10]
     assert cost.send_time(1e6, group.link) == pytest.approx(1e-6 + 1e-3)
     assert cost.all_reduce_time(8e6, cost.Group(1, group.link)) == 0.0
     assert cost.pipeline_time([1.0, 3.0, 2.0], 4) == 3 * 3.0 + 6.0
@@ -125,6 +126,19 @@ def test_collective_formulas():
     assert cost.model_state_memory(100.0, 0, 4, "adam") == (100.0, 100.0, 200.0)
     assert cost.model_state_memory(100.0, 3, 4, "adam") == (25.0, 25.0, 50.0)
     assert cost.model_state_memory(100.0, 1, 4, "sgd") == (100.0, 100.0, 25.0)
+
+
+def test_gradient_sync_by_sharding_level():
+    group = cost.Group(4, Link(bandwidth=1e9, latency=1e-6))
+    big = 1e9  # far more than one bucket, far slower than the backward below
+    ddp = cost.gradient_sync_time(big, group, 0.1, 0)
+    assert ddp == pytest.approx(cost.all_reduce_time(big, group) - 0.1 + cost.all_reduce_time(cost.BUCKET_BYTES, group))
+    zero2 = cost.gradient_sync_time(big, group, 0.1, 2)
+    gather = cost.all_gather_time(big, group)
+    assert zero2 == pytest.approx(cost.reduce_scatter_time(big, group) - 0.1
+                                  + cost.reduce_scatter_time(cost.BUCKET_BYTES, group) + gather)
+    assert cost.gradient_sync_time(big, group, 0.1, 3) == pytest.approx(zero2 - gather)
+    assert cost.gradient_sync_time(big, cost.Group(1, group.link), 0.1, 0) == 0.0
 
 
 def test_groups_span_nodes_by_their_stride():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from hybridpar.errors import ClusterError
 
-DTYPES = ("float64", "float32", "bfloat16", "float16")
+DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16")  # tfloat32: float32 convs on tensor cores
 KINDS = ("matmul", "conv")  # compute kinds with their own efficiency; pointwise ops use memory_bandwidth
 
 GiB = 2**30
@@ -177,6 +177,8 @@ class ClusterSpec:
     def conv_flops(self, dtype: str, in_channels: int) -> tuple[float, float, float]:
         """Achievable FLOP/s of a conv's forward, backward and weight-only backward with ``in_channels`` inputs:
         the measured curve interpolated in log2(channels) (clamped at its ends), or ``efficiency["conv"]``."""
+        if dtype == "float32" and "tfloat32" in self.peak_flops:
+            dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
         peak = self.flops(dtype, "conv") / self.efficiency["conv"]
         rows = self.conv_efficiency
         if not rows:
@@ -240,18 +242,18 @@ PRESETS: dict[str, ClusterSpec] = {
     # NVIDIA V100 SXM2 32 GB data sheet; DGX-1V: NVLink2 6 x 25 GB/s, 4 x 100 Gb/s EDR IB per node. No bfloat16.
     "v100": _one_node("v100", 32, 900, {"float64": 7.8, "float32": 15.7, "float16": 125}, 150, 6.25),
     # NVIDIA A100 SXM4 40 GB data sheet (fp64 tensor core 19.5); DGX A100: NVLink3, 8 x 200 Gb/s HDR IB.
-    "a100-40": _one_node("a100-40", 40, 1555, {"float64": 19.5, "float32": 19.5, "bfloat16": 312, "float16": 312},
-                         300, 25),
+    "a100-40": _one_node("a100-40", 40, 1555, {"float64": 19.5, "float32": 19.5, "tfloat32": 156, "bfloat16": 312,
+                                               "float16": 312}, 300, 25),
     # NVIDIA A100 SXM4 80 GB data sheet (HBM2e 2,039 GB/s); DGX A100: NVLink3, 8 x 200 Gb/s HDR IB.
-    "a100-80": _one_node("a100-80", 80, 2039, {"float64": 19.5, "float32": 19.5, "bfloat16": 312, "float16": 312},
-                         300, 25),
+    "a100-80": _one_node("a100-80", 80, 2039, {"float64": 19.5, "float32": 19.5, "tfloat32": 156, "bfloat16": 312,
+                                               "float16": 312}, 300, 25),
     # NVIDIA H100 SXM5 80 GB data sheet (fp64 tensor core 67, bf16 989.5 dense); DGX H100: NVLink4 900 GB/s
     # both directions, 8 x 400 Gb/s NDR IB.
-    "h100": _one_node("h100", 80, 3350, {"float64": 67, "float32": 67, "bfloat16": 989.5, "float16": 989.5},
-                      450, 50),
+    "h100": _one_node("h100", 80, 3350, {"float64": 67, "float32": 67, "tfloat32": 494.7, "bfloat16": 989.5,
+                                         "float16": 989.5}, 450, 50),
     # NVIDIA H200 SXM 141 GB data sheet (HBM3e 4.8 TB/s; nvidia-smi shows ~140 GiB); DGX H200: NVLink4, 8 x 400 Gb/s.
-    "h200": _one_node("h200", 140, 4800, {"float64": 67, "float32": 67, "bfloat16": 989.5, "float16": 989.5},
-                      450, 50),
+    "h200": _one_node("h200", 140, 4800, {"float64": 67, "float32": 67, "tfloat32": 494.7, "bfloat16": 989.5,
+                                          "float16": 989.5}, 450, 50),
     # AMD Instinct MI250X data sheet, one GCD (half an OAM) per device: fp64/fp32 matrix 47.85, fp16/bf16 191.5,
     # 64 GiB HBM2e at 1.64 TB/s. Frontier node: 8 GCDs; one 50 GB/s Infinity Fabric link between packages (the
     # slowest hop of a ring; 200 GB/s inside a package); Slingshot 4 x 25 GB/s per node.

@@ -1,10 +1,12 @@
 """The cost model: small named functions of bytes, FLOPs and a ``ClusterSpec``; no hidden coefficients.
 
-Times are seconds, sizes bytes. Collectives follow the ring algorithm with the group's link (the
-inter-node link once a group spans nodes): ``n`` ranks, ``bytes`` the full (unsharded) tensor::
+Times are seconds, sizes bytes. Collectives move the bytes of the ring algorithm and pay the latency of
+the better of a ring (``n - 1`` steps) and a tree or recursive doubling (``log2 n`` steps), as NCCL and
+gloo choose by size, over the group's link (the inter-node link once a group spans nodes); ``n`` ranks,
+``bytes`` the full (unsharded) tensor, ``steps = min(n - 1, ceil(log2 n))``::
 
-    all_reduce      2(n-1) · latency + 2(n-1)/n · bytes / bus_bandwidth
-    all_gather      (n-1) · latency  + (n-1)/n  · bytes / bus_bandwidth     (reduce_scatter alike)
+    all_reduce      2 · steps · latency + 2(n-1)/n · bytes / bus_bandwidth
+    all_gather      steps · latency     + (n-1)/n  · bytes / bus_bandwidth     (reduce_scatter alike)
     send            latency + bytes / bandwidth
 
 Compute follows the roofline: a layer takes the longer of its FLOPs at the achievable rate of its
@@ -13,6 +15,7 @@ kind (``conv`` or ``matmul``) and its bytes at the memory bandwidth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hybridpar.plan.cluster import ClusterSpec, Link
@@ -69,11 +72,16 @@ def send_time(num_bytes: float, link: Link) -> float:
     return link.latency + num_bytes / link.bandwidth if num_bytes else 0.0
 
 
+def collective_steps(n: int) -> int:
+    """Latency-bound steps of a collective over ``n`` ranks: a ring's ``n - 1`` or a tree's ``log2 n``."""
+    return min(n - 1, math.ceil(math.log2(n))) if n > 1 else 0
+
+
 def all_reduce_time(num_bytes: float, group: Group) -> float:
     n = group.size
     if n == 1 or not num_bytes:
         return 0.0
-    return 2 * (n - 1) * group.link.step_latency + 2 * (n - 1) / n * num_bytes / group.link.bus_bandwidth
+    return 2 * collective_steps(n) * group.link.step_latency + 2 * (n - 1) / n * num_bytes / group.link.bus_bandwidth
 
 
 def all_gather_time(num_bytes: float, group: Group) -> float:
@@ -81,7 +89,7 @@ def all_gather_time(num_bytes: float, group: Group) -> float:
     n = group.size
     if n == 1 or not num_bytes:
         return 0.0
-    return (n - 1) * group.link.step_latency + (n - 1) / n * num_bytes / group.link.bus_bandwidth
+    return collective_steps(n) * group.link.step_latency + (n - 1) / n * num_bytes / group.link.bus_bandwidth
 
 
 reduce_scatter_time = all_gather_time
@@ -98,14 +106,16 @@ def exposed_halo_time(halo: float, interior_compute: float, overlap: bool) -> fl
 
 
 def gradient_sync_time(grad_bytes: float, group: Group, backward_time: float, sharding: int) -> float:
-    """Exposed gradient communication of one step. DDP (``sharding`` 0-1) all-reduces buckets while
-    backward runs: what exceeds backward, and the last bucket, show. Sharded gradients (2-3) are
-    reduce-scattered as they come (the same exposure rule) and parameters all-gathered after the step."""
+    """Exposed gradient communication of one step. Gradients are reduced in buckets while backward runs
+    (all-reduced by DDP, ``sharding`` 0; reduce-scattered when sharded, 1-3): what exceeds the backward,
+    and the last bucket, show. ZeRO-1 and -2 then all-gather the updated parameters after the step, in the
+    open; FSDP (3) gathers them layer by layer in the next step instead (``fsdp_gather_time``)."""
     if group.size == 1 or not grad_bytes:
         return 0.0
-    total = all_reduce_time(grad_bytes, group)
-    last_bucket = all_reduce_time(min(grad_bytes, BUCKET_BYTES), group)
-    return max(total - backward_time, 0.0) + last_bucket
+    reduce = all_reduce_time if sharding == 0 else reduce_scatter_time
+    last_bucket = reduce(min(grad_bytes, BUCKET_BYTES), group)
+    exposed = max(reduce(grad_bytes, group) - backward_time, 0.0) + last_bucket
+    return exposed + (all_gather_time(grad_bytes, group) if sharding in (1, 2) else 0.0)
 
 
 def fsdp_gather_time(param_bytes: float, group: Group) -> float:

@@ -312,12 +312,14 @@ class _Log:
     """Why each family of strategies lost: its best plan, a lower bound that could not win, or a failure."""
 
     def __init__(self):
-        self.failures: dict[str, str] = {}
+        self.failures: dict[str, tuple[float, str]] = {}  # family -> the failure nearest to fitting
         self.bounds: dict[str, float] = {}
         self.closest: tuple[float, str] = (math.inf, "")
 
     def fail(self, mesh, reason: str, memory: float = math.inf) -> None:
-        self.failures.setdefault(family(mesh), reason)
+        name = family(mesh)
+        if name not in self.failures or memory < self.failures[name][0]:
+            self.failures[name] = (memory, reason)
         if memory < self.closest[0]:
             self.closest = (memory, reason)
 
@@ -335,7 +337,7 @@ class _Log:
                 out[name] = f"best {cand.plan.describe()}: {cand.step_time * 1e3:.4g} ms per step{ratio}"
         for name, bound in self.bounds.items():
             out.setdefault(name, f"at least {bound * 1e3:.4g} ms per step ({bound / fastest:.2f}x the fastest)")
-        for name, reason in self.failures.items():
+        for name, (_, reason) in self.failures.items():
             out.setdefault(name, reason)
         return out
 
@@ -437,6 +439,7 @@ def _plan(graph, cluster, c, mesh, m, z, ckpt, chain, cuts, step, memory, comm) 
 
 def _no_mesh_message(world: int, graph: ModelGraph, c: Constraints) -> str:
     fixed = any(v is not None for v in (c.dp, c.spatial, c.tp, c.pp))
-    return (f"no way to arrange {world} devices as dp x spatial x tp x pp with global batch {c.global_batch}"
-            f"{' and the degrees you fixed' if fixed else ''}; use a global batch divisible by more of the "
-            f"device count's factors{', or fix fewer degrees' if fixed else ''}")
+    kinds = f"as {' or '.join(c.families)}" if c.families else "as dp x spatial x tp x pp"
+    return (f"no way to arrange {world} device{'s' if world > 1 else ''} {kinds} with global batch "
+            f"{c.global_batch}{' and the degrees you fixed' if fixed else ''}; use a global batch divisible by "
+            f"more of the device count's factors{', or fix fewer degrees' if fixed else ''}")
