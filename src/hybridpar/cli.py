@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
-from hybridpar import plan_cli
+from hybridpar import plan_cli, simulate_cli
 from hybridpar.errors import HybridparError
 
 TOLERANCE = 1e-9  # float64 end to end; differences are summation order only (~1e-15)
@@ -45,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from a TOML config (under torchrun, or on local workers)")
     train.add_argument("config", help="the TOML config (keys: docs/config.md)")
     train.add_argument("--nproc", type=_positive, default=None,
-                       help="local workers to start (default: mesh.dp x prod(mesh.spatial)); ignored under torchrun")
+                       help="local workers to start (default: mesh.dp x prod(mesh.spatial), or the plan file's; "
+                            "required with plan = \"auto\"); ignored under torchrun")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     train.add_argument("--stop-after", type=_positive, default=None, metavar="STEPS",
                        help="stop (with a checkpoint) once this many steps are done, e.g. before a job's time limit")
@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--quick", action="store_true", help="fewer repeats and message sizes (seconds, noisier)")
     cal.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     plan_cli.add_parser(sub)
+    simulate_cli.add_parser(sub)
     return parser
 
 
@@ -104,6 +105,7 @@ def _train(args, console: Console) -> int:
     from hybridpar.launch import launch_local
     from hybridpar.train import load
     from hybridpar.train.loop import check, prepare_run_dir, worker
+    from hybridpar.train.planning import local_world_size
     from hybridpar.train.progress import format_metrics
 
     config = load(args.config)
@@ -112,13 +114,9 @@ def _train(args, console: Console) -> int:
         if int(os.environ.get("RANK", "0")) != 0:
             return 2 if "error" in result else 0
     else:
-        world = config.mesh.dp * math.prod(config.mesh.spatial)
-        nproc = args.nproc or world
-        if nproc != world:
-            raise HybridparError(f"--nproc {nproc} does not match mesh.dp x prod(mesh.spatial) = {world} in "
-                                 f"{args.config}; use --nproc {world} or change [mesh]")
+        nproc = local_world_size(config, args.nproc, args.config)
         prepare_run_dir(config, args.resume)
-        for dataset in check(config)[:2]:
+        for dataset in check(config, nproc)[:2]:
             if dataset is not None:
                 dataset.close()
         result = launch_local(worker, (config, args.resume, args.stop_after), nproc)[0]
@@ -130,9 +128,9 @@ def _train(args, console: Console) -> int:
     if result["val"]:
         console.print(f"final validation: {format_metrics(result['val'])}", highlight=False, soft_wrap=True)
     mib = [b / 2**20 for b in result["bytes_read_per_rank"]]
-    console.print(f"trained steps {result['start_step']}..{done} in {result['time_s']:.1f} s; read per rank "
-                  f"{', '.join(f'{m:.1f}' for m in mib)} MiB; outputs in {config.run_dir}", highlight=False,
-                  soft_wrap=True)
+    console.print(f"trained steps {result['start_step']}..{done} on {result['mesh']} in {result['time_s']:.1f} s; "
+                  f"read per rank {', '.join(f'{m:.1f}' for m in mib)} MiB; outputs in {config.run_dir}",
+                  highlight=False, soft_wrap=True)
     return 0
 
 
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         return {"demo": _demo, "train": _train, "data": _data, "calibrate": _calibrate,
-                "plan": plan_cli.run}[args.command](args, console)
+                "plan": plan_cli.run, "simulate": simulate_cli.run}[args.command](args, console)
     except HybridparError as err:
         console = Console(stderr=True)
         console.print("[red]error[/]: ", end="")
