@@ -59,6 +59,29 @@ def test_bad_keys_and_values(sections, message):
         cfg.parse(table(**sections))
 
 
+@pytest.mark.parametrize("sections, message", [
+    ({"plan": "auto"}, r'plan = "auto" needs cluster: a preset \(v100, a100-40, a100-80'),
+    ({"cluster": "a100-80"}, r"cluster = 'a100-80' is used only with plan; set plan"),
+    ({"plan": 1}, "plan = 1: expected str"),
+    ({"plan": "auto", "cluster": ["a100-80"]}, r"cluster = \['a100-80'\]: expected str"),
+    ({"plan": "auto", "cluster": "a100-80", "mesh": {"dp": 2}},
+     r"mesh.dp and plan = 'auto' both set the mesh .*; remove one of the two"),
+    ({"plan": "plan.json", "mesh": {"spatial": [2, 1, 1]}}, "mesh.spatial and plan = 'plan.json' both set the mesh"),
+    ({"plan": "plan.json", "mesh": {"data_parallel": "ddp"}}, "mesh.data_parallel and plan = 'plan.json' both"),
+])
+def test_plan_and_cluster(sections, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg.parse(table(**sections))
+
+
+def test_plan_leaves_the_other_mesh_keys_to_the_config():
+    c = cfg.parse(table(plan="auto", cluster="cluster.toml", mesh={"batch_norm": "spatial"}))
+    assert (c.plan, c.cluster, c.mesh.batch_norm, c.mesh.dp) == ("auto", "cluster.toml", "spatial", 1)
+    c = cfg.parse(table(plan="runs/a/plan.json"))  # a plan file needs no cluster
+    assert (c.plan, c.cluster) == ("runs/a/plan.json", "")
+    assert cfg.parse(table()).plan == ""
+
+
 def test_missing_train_data():
     with pytest.raises(ConfigError, match="data.train is missing"):
         cfg.parse({"train": {"steps": 1}})

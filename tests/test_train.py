@@ -1,6 +1,7 @@
 """``hybridpar train`` end to end, through the command line and PyTorch's elastic agent: dp=2 x spatial=2
-equals one process (losses and weights, float64), a resumed run equals the uninterrupted one, and
-user mistakes end in a one-line error."""
+equals one process (losses and weights, float64), a resumed run equals the uninterrupted one, the
+planner's mesh (``plan = "auto"`` or a plan file) is the one trained on, and user mistakes end in a
+one-line error."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hybridpar.plan import Plan, preset
+from hybridpar.plan.io import write_cluster
 from hybridpar.train import checkpoint, metrics
 from hybridpar.train.config import load
 from hybridpar.train.loop import build_model, datasets
+from hybridpar.train.planning import runtime_hints
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -252,3 +256,87 @@ def test_skip_bad_reports_the_skipped_files(tmp_path, cosmo_data):
     proc = hybridpar("train", cfg, "--nproc", 1)
     assert "data.train: skipped 1 of 9 files (data.skip_bad = true); first:" in proc.stderr
     assert "zz_bad.h5 (sample file 8): not a readable HDF5 file" in proc.stderr
+
+
+# --- the planner's mesh: plan = "auto" or a plan file --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster_toml(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
+    write_cluster(preset("a100-80").with_devices(2), path)
+    return path
+
+
+def planned_config(path: Path, *, run: Path, data: Path, plan, cluster=None) -> Path:
+    """The COSMO config with its [mesh] degrees left to ``plan`` (and ``cluster``)."""
+    write_config(path, COSMO, run=run, data=data)
+    lines = [line for line in path.read_text().splitlines()
+             if not line.startswith(("dp =", "spatial =", "data_parallel ="))]
+    top = f'plan = "{plan}"' + (f'\ncluster = "{cluster}"' if cluster else "")
+    path.write_text("\n".join(lines).replace("seed = 3", f"seed = 3\n{top}", 1) + "\n")
+    return path
+
+
+def mesh_of(plan: Plan) -> str:
+    return f"dp={plan.dp} x spatial={'x'.join(map(str, plan.spatial))}, {'fsdp' if plan.sharding else 'ddp'}"
+
+
+def test_plan_auto_on_two_workers_then_its_plan_json_again(tmp_path, cosmo_data, cluster_toml):
+    auto = planned_config(tmp_path / "auto.toml", run=tmp_path / "auto", data=cosmo_data, plan="auto",
+                          cluster=cluster_toml)
+    proc = hybridpar("train", auto, "--nproc", 2)
+    plan = Plan.from_json((tmp_path / "auto" / "plan.json").read_text())
+    assert plan.world_size == 2 and (plan.tp, plan.pp, plan.checkpointing) == (1, 1, False) and plan.sharding in (0, 3)
+    assert (plan.global_batch, plan.dtype, plan.input_shape) == (4, "float64", (4, 4, 32, 32, 32))
+    assert f"plan {plan.describe()} (searched for 2 x a100-80): predicted " in proc.stdout
+    assert f"trained steps 0..2 on {mesh_of(plan)} in " in proc.stdout, proc.stdout  # the mesh the workers built
+    # the run's plan.json reruns exactly that plan, on the workers it names (no --nproc, no cluster)
+    again = planned_config(tmp_path / "again.toml", run=tmp_path / "again", data=cosmo_data,
+                           plan=tmp_path / "auto" / "plan.json")
+    proc = hybridpar("train", again)
+    assert f"trained steps 0..2 on {mesh_of(plan)} in " in proc.stdout, proc.stdout
+    assert Plan.from_json((tmp_path / "again" / "plan.json").read_text()) == plan
+    records = [metrics.read(tmp_path / run / "metrics.jsonl") for run in ("auto", "again")]
+    a, b = ([(r["step"], r.get("loss"), r.get("mae")) for r in rs] for rs in records)
+    assert a == b and len(a) >= 2  # the same mesh, the same run
+
+
+def test_plans_training_cannot_apply_are_refused_before_any_worker(tmp_path, cosmo_data, cluster_toml):
+    def refused(plan: Plan, *args, match: str) -> None:
+        (tmp_path / "plan.json").write_text(plan.to_json())
+        config = planned_config(tmp_path / "c.toml", run=tmp_path / "run", data=cosmo_data, plan=tmp_path / "plan.json")
+        expect_error("train", config, *args, match=match)
+
+    fits = dict(global_batch=4, dtype="float64", input_shape=(4, 4, 32, 32, 32))
+    refused(Plan(dp=1, spatial=(1, 1, 1), tp=2, **fits), match="plan.json: tp = 2: training cannot apply tensor "
+                                                                "parallelism yet; use a plan with tp = 1")
+    refused(Plan(dp=4, spatial=(1, 1, 1), **fits), "--nproc", 2,
+            match="plan.json: the plan (dp=4) needs 4 processes, but the world size is 2")
+    refused(Plan(dp=2, spatial=(1, 1, 1), sharding=2, **fits), match="sharding = 2 (+ gradients (ZeRO-2)): training")
+    refused(Plan(dp=2, spatial=(1, 1, 1), checkpointing=True, **fits), match="checkpointing = true: training cannot")
+    refused(Plan(dp=2, spatial=(1, 1, 1), **{**fits, "global_batch": 8}),
+            match="plan.json: global_batch = 8, but train.batch_size = 4; plan again with hybridpar plan --batch 4")
+    auto = planned_config(tmp_path / "a.toml", run=tmp_path / "run", data=cosmo_data, plan="auto", cluster=cluster_toml)
+    expect_error("train", auto, match='plan = "auto" in')  # how many workers?
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_plan_fits_is_one_line_with_what_training_could_use(tmp_path, cosmo_data):
+    from dataclasses import replace
+
+    write_cluster(replace(preset("a100-80").with_devices(2), device_memory=2**20, reserved_memory=0),
+                  tmp_path / "tiny.toml")
+    config = planned_config(tmp_path / "c.toml", run=tmp_path / "run", data=cosmo_data, plan="auto",
+                            cluster=tmp_path / "tiny.toml")
+    stderr = expect_error("train", config, "--nproc", 2, match="no plan fits 2 a100-80 devices")
+    assert "checkpointing" not in stderr and "training searches dp x spatial meshes" in stderr
+
+
+def test_no_fit_hints_drop_what_the_runtime_lacks():
+    lacks = ("allowing every sharding level and activation checkpointing", "leaving the parallel degrees to the search")
+    message = f"no plan fits 2 x; closest: x; would fit with 4 devices, or {lacks[0]}, or {lacks[1]}"
+    note = "; training searches dp x spatial meshes with DDP or FSDP only"
+    assert runtime_hints(message) == f"no plan fits 2 x; closest: x{note}; would fit with 4 devices"
+    assert runtime_hints(f"no plan fits 2 x; would fit with {lacks[0]}") == f"no plan fits 2 x{note}"
+    assert runtime_hints("no plan fits 2 x; closest: x") == f"no plan fits 2 x; closest: x{note}"
+    assert runtime_hints("the model does not run") == "the model does not run"

@@ -97,6 +97,8 @@ class MetricsConfig:
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
+    plan: str = ""  # "": [mesh] as written; "auto": searched for the world size; else a plan JSON file
+    cluster: str = ""  # a preset name or a cluster TOML file: what plan = "auto" searches for
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -200,6 +202,7 @@ def parse(table: dict) -> Config:
     """A :class:`Config` from a parsed TOML table; raises :class:`ConfigError` naming the bad key."""
     config = _section(Config, table, "")
     _check_consistency(config)
+    _check_plan(config, table.get("mesh", {}))
     return config
 
 
@@ -232,6 +235,27 @@ def _check_consistency(config: Config) -> None:
     if not config.data.train:
         raise ConfigError("data.train is missing: a directory of HDF5 files or a glob")
     _check_model_options(config.model)
+
+
+PLAN_MESH_KEYS = ("dp", "spatial", "data_parallel")  # set by the plan when there is one
+
+
+def _check_plan(config: Config, mesh: dict) -> None:
+    """``plan`` and ``cluster`` against each other and against the ``[mesh]`` keys written in the file."""
+    if not config.plan:
+        if config.cluster:
+            raise ConfigError(f"cluster = {config.cluster!r} is used only with plan; set plan = \"auto\" (or a plan "
+                              f"file), or remove cluster")
+        return
+    for key in PLAN_MESH_KEYS:
+        if key in mesh:
+            raise ConfigError(f"mesh.{key} and plan = {config.plan!r} both set the mesh (the plan gives mesh.dp, "
+                              f"mesh.spatial and mesh.data_parallel); remove one of the two")
+    if config.plan == "auto" and not config.cluster:
+        from hybridpar.plan.cluster import PRESETS
+
+        raise ConfigError(f"plan = \"auto\" needs cluster: a preset ({', '.join(PRESETS)}) or a cluster TOML file "
+                          f"(hybridpar calibrate writes one)")
 
 
 def model_factory(name: str):

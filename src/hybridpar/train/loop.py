@@ -1,10 +1,11 @@
 """The training loop of ``hybridpar train``: one call per rank, inside an initialised process group.
 
 Order of work: check the config, the data files and the geometry on every rank (identically, before
-any communication); build the model from the seed (the same weights on every rank); convert it for
-spatial parallelism and wrap it for data parallelism over ``dp x spatial``; then train. Step ``s``
-(0-based) reseeds the random generators from ``(seed, s, rank)`` and reads batch ``s`` of the
-deterministic sampler, so a run resumed from a checkpoint repeats the uninterrupted run exactly.
+any communication), and with ``plan`` set let the planner give the mesh (``train/planning.py``); build
+the model from the seed (the same weights on every rank); convert it for spatial parallelism and wrap
+it for data parallelism over ``dp x spatial``; then train. Step ``s`` (0-based) reseeds the random
+generators from ``(seed, s, rank)`` and reads batch ``s`` of the deterministic sampler, so a run
+resumed from a checkpoint repeats the uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +27,9 @@ from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, S
 from hybridpar.errors import ConfigError, DataError
 from hybridpar.mesh import ParallelDims, build_mesh
 from hybridpar.parallel.data import data_parallel, flat_group
+from hybridpar.plan import Plan
 from hybridpar.spatial.geometry import Grid
-from hybridpar.train import checkpoint
+from hybridpar.train import checkpoint, planning
 from hybridpar.train.config import Config, model_factory, model_options
 from hybridpar.train.metrics import MetricsLog
 from hybridpar.train.optim import build_optimizer, learning_rate, set_learning_rate
@@ -105,6 +108,7 @@ class Run:
     total_steps: int
     loss_name: str
     device: torch.device
+    plan: Plan | None = None  # the planner's plan, when the config has one (it gave config.mesh)
 
     @property
     def spatial_mesh(self):
@@ -119,25 +123,36 @@ class Run:
         return Grid(self.dims.spatial)
 
 
-def check(config: Config) -> tuple[SlabDataset, SlabDataset | None, str]:
-    """The checks that need no process group: data files, the split of the samples, the loss, the model
-    (built on the meta device). ``hybridpar train`` runs them before starting workers, and every worker
-    runs them again before any communication."""
+class Checked(NamedTuple):
+    train_set: SlabDataset
+    val_set: SlabDataset | None
+    loss_name: str
+    config: Config  # with the mesh of the plan, if the config has one
+    plan: Plan | None
+
+
+def check(config: Config, world_size: int) -> Checked:
+    """The checks that need no process group: data files, the loss, the model (built on the meta
+    device), the plan (searched or read, for ``world_size`` processes), the split of the samples.
+    ``hybridpar train`` runs them before starting workers, and every worker runs them again before any
+    communication."""
     train_set, val_set = datasets(config, DTYPES[config.train.dtype])
-    Grid(config.mesh.spatial).check_shape(train_set.sample_shape[1:], "mesh.spatial")
     loss_name = config.train.loss or DEFAULT_LOSS[config.model.name]
     _check_loss(config, loss_name)
     with torch.device("meta"):
-        build_model(config, train_set)
-    return train_set, val_set, loss_name
+        model = build_model(config, train_set)
+    config, plan = planning.apply(config, model, train_set.sample_shape, world_size)
+    Grid(config.mesh.spatial).check_shape(train_set.sample_shape[1:], "mesh.spatial")
+    return Checked(train_set, val_set, loss_name, config, plan)
 
 
 def setup(config: Config) -> Run:
     """Check everything, then build the mesh, the parallel model, its optimizer and the data loader."""
+    train_set, val_set, loss_name, config, plan = check(config, dist.get_world_size())
     dims = ParallelDims(dp=config.mesh.dp, spatial=config.mesh.spatial)
     dims.check_world_size(dist.get_world_size())
+    _check_same_plan(config, plan)  # before the mesh: ranks with other meshes would wait for each other
     dtype = DTYPES[config.train.dtype]
-    train_set, val_set, loss_name = check(config)
     model = build_model(config, train_set).to(dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = build_mesh(dims, dist.get_world_size(), device.type)
@@ -149,7 +164,7 @@ def setup(config: Config) -> Run:
                         grid=Grid(dims.spatial), spatial_rank=mesh["spatial"].get_local_rank(), seed=config.seed,
                         prefetch=config.data.prefetch)
     total = config.train.steps or config.train.epochs * loader.steps_per_epoch
-    return Run(config, dims, mesh, model, optimizer, train_set, val_set, loader, total, loss_name, device)
+    return Run(config, dims, mesh, model, optimizer, train_set, val_set, loader, total, loss_name, device, plan)
 
 
 def loss_fn(run: Run, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -246,6 +261,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     resume_from = prepare_run_dir(config, resume)
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
     run = setup(config)
+    config = run.config  # with the plan's mesh
     _check_same_data(run)
     start = checkpoint.load(resume_from, run.model, run.optimizer) if resume_from else 0
     stop = min(run.total_steps, stop_after or run.total_steps)
@@ -253,12 +269,17 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     run_dir = Path(config.run_dir)
     if is_root:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if run.plan is not None:
+            (run_dir / "plan.json").write_text(run.plan.to_json() + "\n")
+            print(planning.describe(config, run.plan, str(run_dir / "plan.json")), flush=True)
     log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root,
                      tensorboard=config.metrics.tensorboard and is_root, resume_step=start if resume_from else None)
     if is_root:
         _report_skipped(run)
     progress = Progress(run, start, stop, show=show and is_root)
-    summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None}
+    summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
+               "mesh": f"dp={run.dims.dp} x spatial={'x'.join(map(str, run.dims.spatial))}, "
+                       f"{config.mesh.data_parallel}"}
     begin = time.perf_counter()
     with progress:
         for step, x, y in agreed(run, run.loader.batches(start, stop)):
@@ -340,6 +361,21 @@ def _check_same_data(run: Run) -> None:
             counts = [" / ".join(map(str, counts)) for counts, _ in (theirs, everyone[0])]
             raise DataError(f"rank {rank} sees other data files than rank 0 (usable training / validation files: "
                             f"{counts[0]} vs {counts[1]}); put the data where every rank sees the same files")
+
+
+def _check_same_plan(config: Config, plan: Plan | None) -> None:
+    """Every rank must have taken the same mesh from its plan: the planner is deterministic, but the
+    ranks could read different cluster or plan files (not on a shared filesystem)."""
+    if plan is None:
+        return
+    mine = (config.mesh.dp, tuple(config.mesh.spatial), config.mesh.data_parallel)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise ConfigError(f"rank {rank} took another mesh from plan = {config.plan!r} than rank 0 ({theirs} vs "
+                              f"{everyone[0]}: dp, spatial, data_parallel); put the plan and cluster files where "
+                              f"every rank reads the same ones")
 
 
 def _due(done: int, every: int, stop: int, total: int) -> bool:

@@ -1,0 +1,207 @@
+"""The mesh of a training run chosen by the planner: ``plan = "auto"`` or a plan file in the config.
+
+The planner is pure and deterministic, so every rank runs it itself, identically, before any
+communication: under ``torchrun`` there is no process of ours above the ranks to run it once, and
+broadcasting rank 0's plan would put a collective before the checks (a mistake on one rank would
+then be a hang, not an error). ``hybridpar train`` on local workers runs it once more in the command,
+before starting them, so that a mistake (or no plan that fits) costs no worker start.
+
+The search is limited to what the runtime can apply: ``dp x spatial`` with DDP (sharding 0) or FSDP
+(sharding 3); no tensor or pipeline parallelism, ZeRO-1/2 or activation checkpointing yet. A plan file
+asking for one of those is refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import torch.nn as nn
+
+from hybridpar.errors import ClusterError, ConfigError, MeshError, PlanError
+from hybridpar.plan import Plan, cluster_of, graph_of
+from hybridpar.plan import plan as search_best
+from hybridpar.plan.graph import ModelGraph
+from hybridpar.plan.layers import check_grid
+from hybridpar.plan.types import SHARDING_NAMES
+from hybridpar.train.config import Config
+
+RUNTIME_CONSTRAINTS = dict(tp=1, pp=1, sharding=(0, 3), checkpointing=(False,))
+DATA_PARALLEL = {0: "ddp", 3: "fsdp"}  # plan.sharding -> mesh.data_parallel
+# hints of the planner's no-fit message that training cannot follow (they name what the runtime lacks)
+UNAVAILABLE_HINTS = ("allowing every sharding level and activation checkpointing",
+                     "leaving the parallel degrees to the search")
+PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'
+GiB = 2**30
+
+
+def apply(config: Config, model: nn.Module, sample_shape: tuple[int, ...],
+          world_size: int) -> tuple[Config, Plan | None]:
+    """``config`` with ``mesh.dp``, ``mesh.spatial`` and ``mesh.data_parallel`` taken from its plan
+    (searched, or read from the plan file and checked), and that plan; ``(config, None)`` without one.
+    ``model`` may live on the meta device; ``sample_shape`` is one sample's ``(C, D, H, W)``."""
+    if not config.plan:
+        return config, None
+    batch = config.train.batch_size
+    graph = graph_of(model, (batch, *sample_shape), config.train.dtype)
+    plan = _search(config, graph, world_size) if config.plan == "auto" else _from_file(config, graph, world_size)
+    plan = replace(plan, model=config.model.name)
+    mesh = replace(config.mesh, dp=plan.dp, spatial=plan.spatial, data_parallel=DATA_PARALLEL[plan.sharding])
+    return replace(config, mesh=mesh), plan
+
+
+def _cluster(config: Config, world_size: int):
+    """The config's cluster spec scaled to ``world_size`` devices."""
+    try:
+        return cluster_of(config.cluster).with_devices(world_size)
+    except ClusterError as err:
+        raise ClusterError(f"cluster: {err}") from None
+
+
+def _search(config: Config, graph: ModelGraph, world_size: int) -> Plan:
+    spec = _cluster(config, world_size)
+    try:
+        return search_best(graph, None, spec, global_batch=config.train.batch_size, dtype=config.train.dtype,
+                           optimizer=config.optimizer.name, **RUNTIME_CONSTRAINTS)
+    except PlanError as err:
+        raise PlanError(runtime_hints(str(err))) from None
+
+
+def runtime_hints(message: str) -> str:
+    """The planner's no-fit ``message`` without the hints that name what the training runtime lacks
+    (ZeRO-1/2, checkpointing, tp, pp): here the search is limited by the runtime, not by the user."""
+    if not message.startswith("no plan fits"):
+        return message
+    head, sep, hints = message.rpartition("; would fit with ")
+    head, hints = (head, hints.split(", or ")) if sep else (message, [])
+    kept = [hint for hint in hints if hint not in UNAVAILABLE_HINTS]
+    note = "; training searches dp x spatial meshes with DDP or FSDP only"
+    return head + note + ("; would fit with " + ", or ".join(kept) if kept else "")
+
+
+def read_plan_file(path: str) -> tuple[Plan, set[str]]:
+    """The plan in ``path`` and the keys the file states (the others take the Plan's defaults)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as err:
+        raise ConfigError(f"plan = {path!r}: cannot read the plan file ({err.strerror}); {PLAN_FILE_HELP}") from None
+    plan = Plan.from_json(text, where=path)
+    return plan, set(json.loads(text))
+
+
+def check_runtime(plan: Plan, where: str) -> None:
+    """Refuse what the training runtime cannot apply yet, naming the plan's field."""
+    if plan.tp != 1:
+        raise PlanError(f"{where}: tp = {plan.tp}: training cannot apply tensor parallelism yet; use a plan with "
+                        f"tp = 1 (hybridpar plan --tp 1)")
+    if plan.pp != 1:
+        raise PlanError(f"{where}: pp = {plan.pp}: training cannot apply pipeline parallelism yet; use a plan with "
+                        f"pp = 1 (hybridpar plan --pp 1)")
+    if plan.sharding not in DATA_PARALLEL:
+        name = f" ({SHARDING_NAMES[plan.sharding]})" if plan.sharding in SHARDING_NAMES else ""
+        raise PlanError(f"{where}: sharding = {plan.sharding!r}{name}: training cannot apply it yet; use sharding 0 "
+                        f"(DDP) or 3 (FSDP) (hybridpar plan --sharding 0,3)")
+    if plan.checkpointing:
+        raise PlanError(f"{where}: checkpointing = true: training cannot recompute activations yet; set it to false "
+                        f"(hybridpar plan --no-checkpointing)")
+    if plan.micro_batches != 1 or plan.stages:
+        raise PlanError(f"{where}: micro_batches = {plan.micro_batches}, stages = {list(plan.stages)}: without "
+                        f"pipeline stages use micro_batches = 1 and stages = []")
+
+
+def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
+    """The plan file checked against the runtime, the world size, the config and the model; priced on
+    ``config.cluster`` if given (else it keeps the prediction it was written with)."""
+    where = config.plan
+    plan, stated = read_plan_file(where)
+    try:
+        plan.dims  # each degree a whole number >= 1
+    except MeshError as err:
+        raise PlanError(f"{where}: {err}") from None
+    check_runtime(plan, where)
+    if plan.world_size != world_size:
+        raise PlanError(f"{where}: the plan ({plan.describe()}) needs {plan.world_size} processes, but the world "
+                        f"size is {world_size}; run it on {plan.world_size} (--nproc {plan.world_size}, or torchrun "
+                        f"with that many), or plan again for {world_size} devices")
+    plan = _for_config(plan, stated, config, graph, where)
+    if not config.cluster:
+        try:
+            check_grid(graph, plan.spatial)
+        except PlanError as err:
+            raise PlanError(f"{where}: spatial = {list(plan.spatial)}: {err}") from None
+        return plan
+    from hybridpar.plan import validate
+
+    spec = _cluster(config, world_size)
+    try:
+        return replace(validate(plan, graph, spec), cluster=spec.name)
+    except PlanError as err:
+        raise PlanError(f"{where} on {world_size} x {spec.name} (cluster = {config.cluster!r}): {err}") from None
+
+
+def _for_config(plan: Plan, stated: set[str], config: Config, graph: ModelGraph, where: str) -> Plan:
+    """``plan`` with the run's batch, dtype, optimizer and input shape: a value the file states must be
+    the config's (the plan was priced for it); one it leaves out is taken from the config."""
+    batch = config.train.batch_size
+    shape = "x".join(map(str, graph.input_shape))
+    run = {"global_batch": (batch, f"train.batch_size = {batch}", f"--batch {batch}"),
+           "dtype": (config.train.dtype, f"train.dtype = {config.train.dtype!r}", f"--dtype {config.train.dtype}"),
+           "optimizer": (config.optimizer.name, f"optimizer.name = {config.optimizer.name!r}",
+                         f"--optimizer {config.optimizer.name}"),
+           "input_shape": (graph.input_shape, f"the data and train.batch_size give {shape}", f"--input {shape}")}
+    for field, (value, given, option) in run.items():
+        if field in stated and getattr(plan, field) != value:
+            mine = getattr(plan, field)
+            mine = "x".join(map(str, mine)) if field == "input_shape" else repr(mine)
+            raise PlanError(f"{where}: {field} = {mine}, but {given}; plan again with hybridpar plan {option}, "
+                            f"or remove {field} from the plan file")
+    if batch % plan.dp:
+        raise PlanError(f"{where}: dp = {plan.dp} does not divide train.batch_size = {batch}; use a batch size "
+                        f"divisible by {plan.dp}, or another plan")
+    ndim = len(graph.input_shape) - 2
+    spatial = plan.spatial
+    if all(p == 1 for p in spatial):
+        spatial = (1,) * ndim
+    elif len(spatial) != ndim:
+        raise PlanError(f"{where}: spatial = {list(spatial)}: give {ndim} part counts, one per spatial dim of the "
+                        f"samples {tuple(graph.input_shape[1:])} (channels first)")
+    return replace(plan, spatial=spatial, global_batch=batch, dtype=config.train.dtype,
+                   optimizer=config.optimizer.name, input_shape=graph.input_shape)
+
+
+def local_world_size(config: Config, nproc: int | None, where: str) -> int:
+    """The number of local workers for ``hybridpar train`` (not under torchrun): ``--nproc`` with
+    ``plan = "auto"`` (required), the plan's world size with a plan file (or ``--nproc``: checked later
+    against the plan), else ``mesh.dp x prod(mesh.spatial)`` (``--nproc`` must agree)."""
+    if config.plan == "auto":
+        if nproc is None:
+            raise ConfigError(f'plan = "auto" in {where} needs the number of workers: pass --nproc N (under '
+                              f"torchrun the world size is used)")
+        return nproc
+    if config.plan:
+        return nproc or read_plan_file(config.plan)[0].world_size
+    world = config.mesh.dp * math.prod(config.mesh.spatial)
+    if (nproc or world) != world:
+        raise ConfigError(f"--nproc {nproc} does not match mesh.dp x prod(mesh.spatial) = {world} in {where}; "
+                          f"use --nproc {world} or change [mesh]")
+    return world
+
+
+def describe(config: Config, plan: Plan, saved_as: str) -> str:
+    """The line rank 0 prints before training: the plan, where it came from, its prediction."""
+    n = plan.world_size
+    if config.plan == "auto":
+        source = f"searched for {n} x {plan.cluster}"
+    elif config.cluster:
+        source = f"from {config.plan}, priced for {n} x {plan.cluster}"
+    else:
+        source = f"from {config.plan}" + (f", as predicted for {plan.cluster}" if plan.prediction else "")
+    if plan.prediction is None:
+        cost = "no prediction (set cluster to price it)"
+    else:
+        pred = plan.prediction
+        cost = (f"predicted {pred.step_time * 1e3:.4g} ms per step, {pred.memory.get('total', 0) / GiB:.3g} GiB "
+                f"per device")
+    return f"plan {plan.describe()} ({source}): {cost}; written to {saved_as}"
