@@ -385,3 +385,14 @@ def test_gpt3_175b_analyses_on_the_meta_device():
     assert sum(1 for layer in g.layers if layer.kind == "attention") == 96
     # token embedding; position embedding and the sum; the two halves of a block; the head
     assert len({kind for _, _, kind in g.segments}) == 5
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"schema_version": 1, "dp": "2"}', r'p.json: dp = "2": expected a whole number >= 1'),
+    ('{"schema_version": 1, "spatial": [2, 0]}', r"spatial = \[2, 0\]: expected a list of whole numbers"),
+    ('{"schema_version": 1, "checkpointing": 1}', r"checkpointing = 1: expected true or false"),
+    ('{"schema_version": 1, "layers": {"fc": 2}}', r"layers = .*: expected an object mapping layer names"),
+])
+def test_plan_json_types_are_checked(text, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(text, where="p.json")

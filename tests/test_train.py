@@ -19,7 +19,6 @@ from hybridpar.plan.io import write_cluster
 from hybridpar.train import checkpoint, metrics
 from hybridpar.train.config import load
 from hybridpar.train.loop import build_model, datasets
-from hybridpar.train.planning import runtime_hints
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -330,13 +329,3 @@ def test_no_plan_fits_is_one_line_with_what_training_could_use(tmp_path, cosmo_d
                             cluster=tmp_path / "tiny.toml")
     stderr = expect_error("train", config, "--nproc", 2, match="no plan fits 2 a100-80 devices")
     assert "checkpointing" not in stderr and "training searches dp x spatial meshes" in stderr
-
-
-def test_no_fit_hints_drop_what_the_runtime_lacks():
-    lacks = ("allowing every sharding level and activation checkpointing", "leaving the parallel degrees to the search")
-    message = f"no plan fits 2 x; closest: x; would fit with 4 devices, or {lacks[0]}, or {lacks[1]}"
-    note = "; training searches dp x spatial meshes with DDP or FSDP only"
-    assert runtime_hints(message) == f"no plan fits 2 x; closest: x{note}; would fit with 4 devices"
-    assert runtime_hints(f"no plan fits 2 x; would fit with {lacks[0]}") == f"no plan fits 2 x{note}"
-    assert runtime_hints("no plan fits 2 x; closest: x") == f"no plan fits 2 x; closest: x{note}"
-    assert runtime_hints("the model does not run") == "the model does not run"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -80,10 +81,11 @@ def run(args, console: Console) -> int:
     if not result.plans:
         c = Constraints(global_batch=args.batch or graph.batch, dtype=args.dtype, **constraints)
         raise HybridparError(no_fit_message(graph, spec, c, result))
+    plans = [replace(p, model=args.model) for p in result.plans]
     if args.out:
-        Path(args.out).write_text(result.plans[0].to_json() + "\n")
+        Path(args.out).write_text(plans[0].to_json() + "\n")
     if args.format == "json":
-        print(json.dumps({"plans": [p.to_dict() for p in result.plans], "rejected": result.rejected}, indent=2))
+        print(json.dumps({"plans": [p.to_dict() for p in plans], "rejected": result.rejected}, indent=2))
         return 0
     console.print(_summary(args, graph, spec, result, analysed - start, searched - analysed), highlight=False,
                   soft_wrap=True)

@@ -8,12 +8,15 @@ prices a hand-written plan with the same code.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
 from hybridpar.plan.graph import Layer, ModelGraph, analyse
+from hybridpar.plan.layers import check_grid
 from hybridpar.plan.search import Constraints, SearchResult, search
 from hybridpar.plan.types import SCHEMA_VERSION, Plan, Prediction
 from hybridpar.plan.validate import validate
@@ -55,16 +58,21 @@ def search_plans(model: nn.Module | ModelGraph, example_input, cluster: ClusterS
     return search(graph, cluster_of(cluster), c)
 
 
+HINTS = ("devices", "batch", "constraints")  # what a no-fit message may suggest changing
+
+
 def plan(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | str, *,
-         global_batch: int | None = None, dtype: str = "float32", **constraints) -> Plan:
+         global_batch: int | None = None, dtype: str = "float32", hints: tuple[str, ...] = HINTS,
+         **constraints) -> Plan:
     """The fastest plan that fits ``cluster`` (all of its devices), or a ``PlanError`` saying what would fit.
-    ``global_batch`` defaults to the example input's batch."""
+    ``global_batch`` defaults to the example input's batch. ``hints`` limits what that message may suggest
+    (``devices``, ``batch``, ``constraints``): leave out ``constraints`` when the caller, not the user, set them."""
     graph = graph_of(model, example_input, dtype)
     spec = cluster_of(cluster)
     c = _constraints(graph, global_batch, dtype, constraints)
     result = search(graph, spec, c)
     if not result.plans:
-        raise PlanError(no_fit_message(graph, spec, c, result))
+        raise PlanError(no_fit_message(graph, spec, c, result, hints))
     return result.plans[0]
 
 
@@ -78,50 +86,65 @@ def _constraints(graph: ModelGraph, global_batch: int | None, dtype: str, constr
     return Constraints(global_batch=batch, dtype=dtype, **constraints)
 
 
-def no_fit_message(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, result: SearchResult) -> str:
-    """One message: why nothing fits, and what would (more devices, a smaller batch, sharding)."""
+def no_fit_message(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, result: SearchResult,
+                   hints: tuple[str, ...] = HINTS) -> str:
+    """One message: why nothing fits, and what would: more devices, a smaller or larger batch, the
+    constraints relaxed (each only if named in ``hints``)."""
     lines = [f"no plan fits {cluster.num_devices} {cluster.name} devices "
              f"({cluster.device_memory / 2**30:.3g} GiB each) with global batch {c.global_batch}"]
     if result.closest:
         lines.append(f"closest: {result.closest}")
     else:
         lines.extend(f"{name}: {why}" for name, why in list(result.rejected.items())[:3])
-    hints = []
-    for factor in (2, 4, 8, 16, 32, 64):
-        n = cluster.num_devices * factor
-        try:
-            if search(graph, cluster.with_devices(n), c).plans:
-                hints.append(f"{n} devices")
-                break
-        except HybridparError:  # not a whole number of nodes, or no arrangement of n devices
-            continue
-    batch = c.global_batch // 2
-    while batch >= 1:
-        smaller = Constraints(**{**c.__dict__, "global_batch": batch})
-        try:
-            if search(graph, cluster, smaller).plans:
-                hints.append(f"a global batch of {batch}")
-                break
-        except HybridparError:
-            pass
-        batch //= 2
-    for factor in (2, 4, 8, 16, 32, 64, 128, 256):
-        bigger = Constraints(**{**c.__dict__, "global_batch": c.global_batch * factor})
-        try:
-            if search(graph, cluster, bigger).plans:
-                hints.append(f"a global batch of {bigger.global_batch} (more samples for data parallelism)")
-                break
-        except HybridparError:
-            continue
-    if tuple(c.sharding) != (0, 1, 2, 3) or tuple(c.checkpointing) != (False, True):
-        hints.append("allowing every sharding level and activation checkpointing")
-    if any(v is not None for v in (c.dp, c.spatial, c.tp, c.pp)):
-        hints.append("leaving the parallel degrees to the search")
-    if hints:
-        lines.append("would fit with " + ", or ".join(hints))
+    found = []
+    if "devices" in hints:
+        found += _more_devices(graph, cluster, c)
+    if "batch" in hints:
+        found += _other_batch(graph, cluster, c)
+    if "constraints" in hints:
+        if tuple(c.sharding) != (0, 1, 2, 3) or tuple(c.checkpointing) != (False, True):
+            found.append("allowing every sharding level and activation checkpointing")
+        if any(v is not None for v in (c.dp, c.spatial, c.tp, c.pp)):
+            found.append("leaving the parallel degrees to the search")
+    if found:
+        lines.append("would fit with " + ", or ".join(found))
     return "; ".join(lines)
 
 
-__all__ = ["PRESETS", "SCHEMA_VERSION", "ClusterSpec", "Constraints", "Layer", "Link", "ModelGraph", "Plan",
-           "Prediction", "SearchResult", "analyse", "cluster_of", "graph_of", "no_fit_message", "plan",
+def _fits(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> bool:
+    try:
+        return bool(search(graph, cluster, c).plans)
+    except HybridparError:  # not a whole number of nodes, or no arrangement of the devices
+        return False
+
+
+def _more_devices(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> list[str]:
+    for factor in (2, 4, 8, 16, 32, 64):
+        n = cluster.num_devices * factor
+        try:
+            bigger = cluster.with_devices(n)
+        except HybridparError:
+            continue
+        if _fits(graph, bigger, c):
+            return [f"{n} devices"]
+    return []
+
+
+def _other_batch(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> list[str]:
+    out = []
+    batch = c.global_batch // 2
+    while batch >= 1:
+        if _fits(graph, cluster, replace(c, global_batch=batch)):
+            out.append(f"a global batch of {batch}")
+            break
+        batch //= 2
+    for factor in (2, 4, 8, 16, 32, 64, 128, 256):
+        if _fits(graph, cluster, replace(c, global_batch=c.global_batch * factor)):
+            out.append(f"a global batch of {c.global_batch * factor} (more samples for data parallelism)")
+            break
+    return out
+
+
+__all__ = ["HINTS", "PRESETS", "SCHEMA_VERSION", "ClusterSpec", "Constraints", "Layer", "Link", "ModelGraph", "Plan",
+           "Prediction", "SearchResult", "analyse", "check_grid", "cluster_of", "graph_of", "no_fit_message", "plan",
            "preset", "search", "search_plans", "validate"]

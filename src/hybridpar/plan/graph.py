@@ -124,6 +124,7 @@ class ModelGraph:
     param_bytes: int
     num_params: int
     consumers: tuple[tuple[int, ...], ...] = field(repr=False, default=())
+    name: str = ""  # the model's class
 
     @property
     def batch(self) -> int:
@@ -430,7 +431,7 @@ def _graph(model: nn.Module, tracer: _Tracer, input_shape, x) -> ModelGraph:
     params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return ModelGraph(tuple(layers), input_shape, x.numel() * x.element_size(), param_bytes, params,
-                      tuple(tuple(c) for c in consumers))
+                      tuple(tuple(c) for c in consumers), type(model).__name__)
 
 
 def _layer(r: dict, spatial_producers: set[int]) -> Layer:

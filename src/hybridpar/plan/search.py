@@ -434,7 +434,7 @@ def _plan(graph, cluster, c, mesh, m, z, ckpt, chain, cuts, step, memory, comm) 
     return Plan(dp=dp, spatial=grid, tp=tp, pp=pp, global_batch=c.global_batch, micro_batches=m, sharding=z,
                 checkpointing=ckpt, stages=tuple(graph.layers[b].name for b in cuts), layers=layers,
                 optimizer=c.optimizer, dtype=c.dtype, input_shape=(c.global_batch,) + graph.input_shape[1:],
-                cluster=cluster.name, prediction=prediction_of(c, chain, step, memory, comm, m))
+                model=graph.name, cluster=cluster.name, prediction=prediction_of(c, chain, step, memory, comm, m))
 
 
 def _no_mesh_message(world: int, graph: ModelGraph, c: Constraints) -> str:

@@ -112,6 +112,7 @@ class Plan:
         if not isinstance(layers, dict):
             raise PlanError(f"{where}: layers must map layer names to one of {', '.join(TP_STRATEGIES)}")
         values["layers"] = tuple(layers.items())
+        _check_types(values, where)
         if values.get("prediction") is not None:
             values["prediction"] = Prediction(**values["prediction"])
         try:
@@ -126,3 +127,31 @@ class Plan:
         except json.JSONDecodeError as err:
             raise PlanError(f"{where}: not valid JSON ({err})") from None
         return Plan.from_dict(data, where)
+
+
+FIELD_TYPES = {"dp": "count", "tp": "count", "pp": "count", "global_batch": "count", "micro_batches": "count",
+               "sharding": "int", "spatial": "counts", "input_shape": "counts", "checkpointing": "bool",
+               "stages": "names", "layers": "pairs", "optimizer": "str", "dtype": "str", "model": "str",
+               "cluster": "str", "prediction": "object"}
+
+
+def _check_types(values: dict, where: str) -> None:
+    """Each field of a plan read from JSON has the JSON type it needs, or a PlanError names it."""
+    for key, value in values.items():
+        kind = FIELD_TYPES[key]
+        ok = {
+            "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "counts": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                     and x >= 1 for x in v),
+            "bool": lambda v: isinstance(v, bool),
+            "names": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+            "pairs": lambda v: all(isinstance(a, str) and isinstance(b, str) for a, b in v),
+            "str": lambda v: isinstance(v, str),
+            "object": lambda v: v is None or isinstance(v, dict),
+        }[kind](value)
+        if not ok:
+            expected = {"count": "a whole number >= 1", "int": "a whole number", "counts": "a list of whole numbers "
+                        ">= 1", "bool": "true or false", "names": "a list of layer names", "pairs": "an object "
+                        "mapping layer names to strategies", "str": "a string", "object": "an object"}[kind]
+            raise PlanError(f"{where}: {key} = {json.dumps(value, default=str)}: expected {expected}")

@@ -20,18 +20,14 @@ from dataclasses import replace
 import torch.nn as nn
 
 from hybridpar.errors import ClusterError, ConfigError, MeshError, PlanError
-from hybridpar.plan import Plan, cluster_of, graph_of
+from hybridpar.plan import Plan, check_grid, cluster_of, graph_of
 from hybridpar.plan import plan as search_best
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.layers import check_grid
 from hybridpar.plan.types import SHARDING_NAMES
 from hybridpar.train.config import Config
 
 RUNTIME_CONSTRAINTS = dict(tp=1, pp=1, sharding=(0, 3), checkpointing=(False,))
 DATA_PARALLEL = {0: "ddp", 3: "fsdp"}  # plan.sharding -> mesh.data_parallel
-# hints of the planner's no-fit message that training cannot follow (they name what the runtime lacks)
-UNAVAILABLE_HINTS = ("allowing every sharding level and activation checkpointing",
-                     "leaving the parallel degrees to the search")
 PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'
 GiB = 2**30
 
@@ -61,23 +57,11 @@ def _cluster(config: Config, world_size: int):
 
 def _search(config: Config, graph: ModelGraph, world_size: int) -> Plan:
     spec = _cluster(config, world_size)
-    try:
+    try:  # the runtime, not the user, limits the search: the no-fit message suggests devices or batch only
         return search_best(graph, None, spec, global_batch=config.train.batch_size, dtype=config.train.dtype,
-                           optimizer=config.optimizer.name, **RUNTIME_CONSTRAINTS)
+                           optimizer=config.optimizer.name, hints=("devices", "batch"), **RUNTIME_CONSTRAINTS)
     except PlanError as err:
-        raise PlanError(runtime_hints(str(err))) from None
-
-
-def runtime_hints(message: str) -> str:
-    """The planner's no-fit ``message`` without the hints that name what the training runtime lacks
-    (ZeRO-1/2, checkpointing, tp, pp): here the search is limited by the runtime, not by the user."""
-    if not message.startswith("no plan fits"):
-        return message
-    head, sep, hints = message.rpartition("; would fit with ")
-    head, hints = (head, hints.split(", or ")) if sep else (message, [])
-    kept = [hint for hint in hints if hint not in UNAVAILABLE_HINTS]
-    note = "; training searches dp x spatial meshes with DDP or FSDP only"
-    return head + note + ("; would fit with " + ", or ".join(kept) if kept else "")
+        raise PlanError(f"{err}; training searches dp x spatial meshes with DDP or FSDP only") from None
 
 
 def read_plan_file(path: str) -> tuple[Plan, set[str]]:
