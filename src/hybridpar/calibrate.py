@@ -47,6 +47,7 @@ CONV_KERNEL = 3
 MEMORY_BYTES = 64 * 2**20  # per tensor of the elementwise add
 CONV_CHANNELS = (1, 4, 16, 64)  # input channels of the conv efficiency curve
 CURVE_OUT_CHANNELS = 32
+FAST_CONV_MIN = 20480  # PyTorch's CPU rule: oneDNN convolution only when N*C*D*H of the input exceeds this
 SMALL_BYTES = 256  # messages up to this size give the latency
 
 
@@ -106,7 +107,7 @@ def worker(settings: Settings, phases: tuple[str, ...]) -> dict | None:
     init_distributed()
     rank = dist.get_rank()
     try:
-        result = {"reserved_memory": _max_over_ranks(_rss_bytes())}  # before any model or buffer
+        result = {"reserved_memory": _max_over_ranks(_runtime_rss_bytes())}
         if "compute" in phases:
             result |= _measure_compute(settings)
         if "comm" in phases:
@@ -130,6 +131,8 @@ def _measure_compute(settings: Settings) -> dict:
     curve = [_conv_curve_steps(channels, dtype, settings.quick) for channels in CONV_CHANNELS]
     for _, steps in curve:
         fns += steps
+    slow_flops, slow_steps = _conv_curve_steps(16, dtype, settings.quick, batch=1)
+    fns.append(slow_steps[1])
     times = [statistics.median(t) for t in _interleaved_times(fns, settings.repeats)]
     rates = [amount / t for amount, t in zip(work, times)]
     efficiencies = []
@@ -138,20 +141,26 @@ def _measure_compute(settings: Settings) -> dict:
         # a backward is its pass's time less the forward's (at least a tenth of the forward: noise)
         efficiencies += [flops / forward, 2 * flops / max(both - forward, forward / 10),
                          flops / max(weight - forward, forward / 10)]
-    values = _median_over_ranks(rates + [min(rate / rates[0], 1.0) for rate in efficiencies])
+    fast = curve[CONV_CHANNELS.index(16)]
+    fast_time = times[3 + 3 * CONV_CHANNELS.index(16) + 1] / fast[0]  # seconds per forward FLOP, both gradients
+    slow = min(times[-1] / slow_flops / fast_time, 1e9)
+    values = _median_over_ranks(rates + [min(rate / rates[0], 1.0) for rate in efficiencies] + [min(1 / slow, 1.0)])
     rows = [(channels, *values[3 + 3 * i : 6 + 3 * i]) for i, channels in enumerate(CONV_CHANNELS)]
-    return {"matmul_flops": values[0], "conv_flops": values[1], "memory_bandwidth": values[2], "conv_curve": rows}
+    return {"matmul_flops": values[0], "conv_flops": values[1], "memory_bandwidth": values[2], "conv_curve": rows,
+            "slow_conv_factor": values[-1]}
 
 
-def _conv_curve_steps(channels: int, dtype: torch.dtype, quick: bool):
+def _conv_curve_steps(channels: int, dtype: torch.dtype, quick: bool, batch: int = 0):
     """Forward FLOPs of a 3x3x3 conv from ``channels`` to 32 channels, and three timed functions: forward;
-    forward and backward (input and weight gradients); forward and backward of the weight alone."""
+    forward and backward (input and weight gradients); forward and backward of the weight alone. The batch
+    (unless given) is large enough for PyTorch's fast CPU kernel (``FAST_CONV_MIN``)."""
     edge = 16 if quick else 32
-    x = torch.randn(2, channels, edge, edge, edge, dtype=dtype)
+    batch = batch or max(2, -(-(FAST_CONV_MIN + 1) // (channels * edge * edge)))
+    x = torch.randn(batch, channels, edge, edge, edge, dtype=dtype)
     x_grad = x.clone().requires_grad_()
     w = (torch.randn(CURVE_OUT_CHANNELS, channels, 3, 3, 3, dtype=dtype) / (channels * 27) ** 0.5).requires_grad_()
-    grad_out = torch.randn(2, CURVE_OUT_CHANNELS, edge, edge, edge, dtype=dtype)
-    flops = 2 * 2 * CURVE_OUT_CHANNELS * edge**3 * channels * 27
+    grad_out = torch.randn(batch, CURVE_OUT_CHANNELS, edge, edge, edge, dtype=dtype)
+    flops = 2 * batch * CURVE_OUT_CHANNELS * edge**3 * channels * 27
 
     def both():
         torch.autograd.grad(F.conv3d(x_grad, w, padding=1), (x_grad, w), grad_out)
@@ -261,6 +270,18 @@ def _max_over_ranks(value: float) -> float:
     return tensor.item()
 
 
+def _runtime_rss_bytes() -> float:
+    """The resident set of a training worker before its model: hybridpar's trainer imported (checkpointing,
+    HDF5) and a DDP wrapper built (which loads torch's compiler stack and allocates communication buffers)."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hybridpar.train.loop  # noqa: F401  (what a training worker has loaded)
+
+    DistributedDataParallel(nn.Linear(1, 1))
+    return _rss_bytes()
+
+
 def _rss_bytes() -> float:
     """This process's resident memory (VmRSS of /proc/self/status; peak RSS where there is no /proc)."""
     try:
@@ -325,6 +346,7 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
         peak_flops={settings.dtype: result["matmul_flops"]}, efficiency={"matmul": 1.0, "conv": min(conv, 1.0)},
         memory_bandwidth=result["memory_bandwidth"], intra_node=link, inter_node=link,
         conv_efficiency=tuple(ConvEfficiency(*row) for row in result["conv_curve"]),
+        fast_conv_min=FAST_CONV_MIN, slow_conv_factor=result["slow_conv_factor"],
     )
     when = datetime.datetime.now().isoformat(timespec="seconds")
     comment = (f"Measured by `hybridpar calibrate --nproc {nproc} --dtype {settings.dtype}"
@@ -345,10 +367,12 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
         ("memory bandwidth (into a fresh tensor)", f"{spec.memory_bandwidth / 1e9:.2f}", "GB/s"),
         *((f"conv from {r.in_channels} channels: forward / backward / weight", f"{r.forward:.2f} / "
            f"{r.backward:.2f} / {r.weight_gradient:.2f}", "of peak") for r in spec.conv_efficiency),
+        (f"conv on PyTorch's slow CPU kernel (N*C*D*H <= {spec.fast_conv_min})", f"{spec.slow_conv_factor:.2f}",
+         "x the fast rate"),
         ("point-to-point latency", f"{link.latency * 1e6:.1f}", "µs"),
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
         (f"all-reduce step latency ({cal.allreduce_ranks} ranks)", f"{link.step_latency * 1e6:.1f}", "µs"),
         (f"all-reduce bus bandwidth ({cal.allreduce_ranks} ranks)", f"{link.bus_bandwidth / 1e9:.2f}", "GB/s"),
         ("device memory (MemTotal / N)", f"{spec.device_memory / 2**30:.2f}", "GiB"),
-        ("reserved memory (worker RSS)", f"{spec.reserved_memory / 2**30:.3f}", "GiB"),
+        ("reserved memory (a training worker before its model)", f"{spec.reserved_memory / 2**30:.3f}", "GiB"),
     ]

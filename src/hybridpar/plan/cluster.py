@@ -113,6 +113,10 @@ class ClusterSpec:
     # Optional, measured by `hybridpar calibrate`: conv efficiency by input channels (thin inputs, such as a
     # network's first layer, run far below a wide conv's rate on CPUs). Empty: efficiency["conv"] for all.
     conv_efficiency: tuple[ConvEfficiency, ...] = ()
+    # Optional, CPUs: PyTorch runs a conv on its fast (oneDNN) kernel only when N*C*D*H of its input exceeds
+    # `fast_conv_min`; below, on a slower one, at `slow_conv_factor` times the rate (calibrate measures it).
+    fast_conv_min: int = 0
+    slow_conv_factor: float = 1.0
 
     def __post_init__(self):
         owner = f"ClusterSpec {self.name!r}"
@@ -134,6 +138,11 @@ class ClusterSpec:
             _check_positive(f"{owner}: {field}", getattr(self, field))
         self._check_reserved(owner)
         self._check_flops(owner)
+        if isinstance(self.fast_conv_min, bool) or not isinstance(self.fast_conv_min, int) or self.fast_conv_min < 0:
+            raise ClusterError(f"{owner}: fast_conv_min = {self.fast_conv_min!r}: must be a whole number >= 0")
+        _check_positive(f"{owner}: slow_conv_factor", self.slow_conv_factor)
+        if self.slow_conv_factor > 1:
+            raise ClusterError(f"{owner}: slow_conv_factor = {self.slow_conv_factor!r}: a fraction in (0, 1]")
         for field in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, field), Link):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a Link")
@@ -174,9 +183,16 @@ class ClusterSpec:
             raise ClusterError(f"compute kind {kind!r} is unknown; use {', '.join(KINDS)}")
         return self.peak_flops[dtype] * self.efficiency[kind]
 
-    def conv_flops(self, dtype: str, in_channels: int) -> tuple[float, float, float]:
+    def conv_flops(self, dtype: str, in_channels: int, work: int = 0) -> tuple[float, float, float]:
         """Achievable FLOP/s of a conv's forward, backward and weight-only backward with ``in_channels`` inputs:
-        the measured curve interpolated in log2(channels) (clamped at its ends), or ``efficiency["conv"]``."""
+        the measured curve interpolated in log2(channels) (clamped at its ends), or ``efficiency["conv"]``;
+        times ``slow_conv_factor`` when ``work`` (N*C*D*H of the input) is at most ``fast_conv_min``."""
+        rates = self._conv_flops(dtype, in_channels)
+        if work and work <= self.fast_conv_min:
+            return tuple(rate * self.slow_conv_factor for rate in rates)
+        return rates
+
+    def _conv_flops(self, dtype: str, in_channels: int) -> tuple[float, float, float]:
         if dtype == "float32" and "tfloat32" in self.peak_flops:
             dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
         peak = self.flops(dtype, "conv") / self.efficiency["conv"]

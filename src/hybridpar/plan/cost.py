@@ -54,18 +54,20 @@ def compute_time(flops: float, bytes_moved: float, kind: str, cluster: ClusterSp
 
 
 def layer_times(kind: str, flops: float, bytes_moved: float, cluster: ClusterSpec, dtype: str, *,
-                has_weight: bool, input_grad: bool, in_channels: int) -> tuple[float, float]:
+                has_weight: bool, input_grad: bool, in_channels: int, work: int = 0) -> tuple[float, float]:
     """Forward and backward time of one layer. The backward computes the input gradient (if the input needs
     one) and the weight gradient (if it has weights): about the forward's work each. Convolutions use the
-    cluster's rates for their input channels (``ClusterSpec.conv_flops``)."""
+    cluster's rates for their input channels and ``work`` (N*C*D*H of the input: ``ClusterSpec.conv_flops``)."""
     grads = int(input_grad) + int(has_weight)
     if kind in CONV_KINDS:
-        forward_rate, backward_rate, weight_rate = cluster.conv_flops(dtype, in_channels)
+        forward_rate, backward_rate, weight_rate = cluster.conv_flops(dtype, in_channels, work)
         rate = backward_rate if input_grad else weight_rate
         memory = bytes_moved / cluster.memory_bandwidth
         return max(flops / forward_rate, memory), max(grads * flops / rate, grads * memory) if grads else 0.0
     forward = compute_time(flops, bytes_moved, kind, cluster, dtype)
-    return forward, (grads if has_weight else 2 * int(input_grad)) * forward
+    if has_weight or kind in MATMUL_KINDS:  # attention: the gradients of Q, K and V take about twice the forward
+        return forward, (grads if has_weight else 2 * int(input_grad)) * forward
+    return forward, forward if input_grad else 0.0  # memory-bound: read the gradient and what was saved, write one
 
 
 def send_time(num_bytes: float, link: Link) -> float:

@@ -20,7 +20,8 @@ TOP = {  # key -> (ClusterSpec field, unit); tables are read by their own functi
     "device_memory_gib": ("device_memory", "GiB"), "reserved_memory_gib": ("reserved_memory", "GiB"),
     "memory_bandwidth_gbs": ("memory_bandwidth", "GB/s"), "peak_tflops": ("peak_flops", "table"),
     "efficiency": ("efficiency", "table"), "intra_node": ("intra_node", "table"), "inter_node": ("inter_node", "table"),
-    "conv_efficiency": ("conv_efficiency", "table"),
+    "conv_efficiency": ("conv_efficiency", "table"), "fast_conv_min": ("fast_conv_min", "optional"),
+    "slow_conv_factor": ("slow_conv_factor", "optional"),
 }
 CONV = ("in_channels", "forward", "backward", "weight_gradient")  # keys of each [[conv_efficiency]] row
 LINK = {  # key -> (Link field, unit, required)
@@ -65,6 +66,9 @@ def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
     for key, (field, unit) in TOP.items():
         if unit in ("GiB", "GB/s"):
             lines.append(f"{key} = {_to_toml(getattr(spec, field), unit)}")
+    if spec.fast_conv_min:
+        lines += [f"fast_conv_min = {spec.fast_conv_min}",
+                  f"slow_conv_factor = {_to_toml(spec.slow_conv_factor, 'fraction')}"]
     lines += ["", "[peak_tflops]"]
     lines += [f"{d} = {_to_toml(spec.peak_flops[d], 'TFLOP/s')}" for d in DTYPES if d in spec.peak_flops]
     lines += ["", "[efficiency]"] + [f"{k} = {_to_toml(spec.efficiency[k], 'fraction')}" for k in KINDS]
@@ -94,8 +98,11 @@ def _parse(table: dict) -> ClusterSpec:
     _check_keys(table, TOP, "", "the top level")
     values = {}
     for key, (field, unit) in TOP.items():
-        if unit != "table":
+        if unit not in ("table", "optional"):
             values[field] = _value(table, key, "", unit)
+    if "fast_conv_min" in table:
+        values["fast_conv_min"] = _value(table, "fast_conv_min", "", "int")
+        values["slow_conv_factor"] = _value(table, "slow_conv_factor", "", "fraction")
     values["peak_flops"] = _peak_flops(_table(table, "peak_tflops"))
     values["efficiency"] = _efficiency(_table(table, "efficiency"))
     for section in ("intra_node", "inter_node"):

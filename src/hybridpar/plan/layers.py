@@ -180,7 +180,7 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     in_channels = layer.channels[0] // (split if name == "row" else 1)
     forward, backward = cost.layer_times(layer.kind, layer.flops * scale * fraction / split, act_bytes + params,
                                          ctx.cluster, ctx.dtype, has_weight=layer.has_weight, input_grad=not first,
-                                         in_channels=in_channels)
+                                         in_channels=in_channels, work=_conv_work(layer, ctx, in_channels))
     comm = {}
     if halo_per_sample:
         halo_bytes = halo_per_sample * ctx.micro_batch / (split if name in ("row", "shard") else 1)
@@ -189,12 +189,36 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     comm.update(_spatial_collectives(layer, ctx, scale, fraction, split))
     if name == "column" and not first:
         comm["tp"] = cost.all_reduce_time(_in_bytes(layer) * scale * fraction, ctx.tp_group)
-    saved = layer.saved_bytes * scale * fraction / split
+    saved = (layer.saved_bytes * scale * fraction + _runtime_copies(layer, ctx, halo_per_sample) * ctx.micro_batch) \
+        / split
     out_bytes = layer.out_bytes * scale * (fraction if layer.kind not in ("flatten", "global_pool") else 1.0)
     workspace = (_in_bytes(layer) * scale * fraction + out_bytes) / split
     in_bytes = _in_bytes(layer) * scale * _in_fraction(layer, ctx)
     return Option(name, lin, lout, forward + backward + sum(comm.values()), forward, comm, params, saved,
                   workspace, out_bytes, in_bytes)
+
+
+def _conv_work(layer: Layer, ctx: MeshContext, in_channels: int) -> int:
+    """N*C*D*H of the input a conv of this device sees (slab, micro-batch): what decides PyTorch's CPU kernel."""
+    if layer.kind not in ("conv", "conv_transpose") or len(layer.in_shape) < 4:
+        return 0
+    dims = layer.in_shape[2:4]
+    grid = ctx.grid if layer.spatial_in and len(ctx.grid) == len(layer.in_shape) - 2 else (1,) * len(dims)
+    return ctx.micro_batch * in_channels * math.prod(-(-n // p) for n, p in zip(dims, grid))
+
+
+def _runtime_copies(layer: Layer, ctx: MeshContext, halo_per_sample: float) -> float:
+    """Bytes per sample that the spatial runtime keeps for backward beyond what the plain layer keeps: the
+    slab assembled with its halos that a conv then saves (a copy, where the plain conv shares its input
+    with the layer before), and the intermediates of a normalisation built from all-reduced sums."""
+    if not layer.spatial_in or math.prod(ctx.grid) == 1:
+        return 0.0
+    slab = _in_bytes(layer) / layer.in_shape[0] * _in_fraction(layer, ctx)
+    if layer.kind == "conv" and halo_per_sample:
+        return slab + halo_per_sample
+    if layer.kind == "group_norm":
+        return slab
+    return 0.0
 
 
 def _in_fraction(layer: Layer, ctx: MeshContext) -> float:
