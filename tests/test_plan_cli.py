@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from argv import with_options
 
 from hybridpar.cli import main
 from hybridpar.models.registry import build_for_planning
@@ -48,13 +49,7 @@ def test_constraints_are_applied(capsys):
     (["--batch", "1", "--devices", "4096", "--input", "1x4x32x32x32"], "no plan fits 4096 a100-80 devices"),
 ])
 def test_errors_are_one_line(capsys, argv, message):
-    args = list(SMALL)
-    for key, value in zip(argv[::2], argv[1::2]):
-        if key in args:
-            args[args.index(key) + 1] = value
-        else:
-            args += [key, value]
-    assert main(args) == 2
+    assert main(with_options(SMALL, dict(zip(argv[::2], argv[1::2])))) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 

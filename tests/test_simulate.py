@@ -4,6 +4,7 @@ PNG, the table and JSON, one-line errors, and the models by name it plans."""
 import json
 
 import pytest
+from argv import with_options
 
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
@@ -145,13 +146,7 @@ def test_cli_json(capsys, tmp_path, monkeypatch):
     ({"--batch": "0"}, "batch = 0: give a whole number"),
 ])
 def test_cli_errors_are_one_line(capsys, tmp_path, change, message):
-    args = CLI + ["--out", str(tmp_path / "s.png")]
-    for key, value in change.items():
-        if key in args:
-            args[args.index(key) + 1] = value
-        else:
-            args += [key, value]
-    assert main(args) == 2
+    assert main(with_options(CLI + ["--out", str(tmp_path / "s.png")], change)) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1, err
     assert not (tmp_path / "s.png").exists()

@@ -47,7 +47,7 @@ CONV_KERNEL = 3
 MEMORY_BYTES = 64 * 2**20  # per tensor of the elementwise add
 CONV_CHANNELS = (1, 4, 16, 64)  # input channels of the conv efficiency curve
 CURVE_OUT_CHANNELS = 32
-FAST_CONV_MIN = 20480  # PyTorch's CPU rule: oneDNN convolution only when N*C*D*H of the input exceeds this
+FAST_CONV_MIN = 20480  # PyTorch's CPU rule: a batch of 1 takes oneDNN only when N*C*D*H of the input exceeds this
 SMALL_BYTES = 256  # messages up to this size give the latency
 
 

@@ -113,8 +113,9 @@ class ClusterSpec:
     # Optional, measured by `hybridpar calibrate`: conv efficiency by input channels (thin inputs, such as a
     # network's first layer, run far below a wide conv's rate on CPUs). Empty: efficiency["conv"] for all.
     conv_efficiency: tuple[ConvEfficiency, ...] = ()
-    # Optional, CPUs: PyTorch runs a conv on its fast (oneDNN) kernel only when N*C*D*H of its input exceeds
-    # `fast_conv_min`; below, on a slower one, at `slow_conv_factor` times the rate (calibrate measures it).
+    # Optional, CPUs: PyTorch runs a conv of one sample with a kernel up to 3 wide on its fast (oneDNN) kernel only
+    # when N*C*D*H of its input exceeds `fast_conv_min`; below, on a slower one, at `slow_conv_factor` times the
+    # rate (calibrate measures it).
     fast_conv_min: int = 0
     slow_conv_factor: float = 1.0
 

@@ -199,8 +199,10 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
 
 
 def _conv_work(layer: Layer, ctx: MeshContext, in_channels: int) -> int:
-    """N*C*D*H of the input a conv of this device sees (slab, micro-batch): what decides PyTorch's CPU kernel."""
-    if layer.kind not in ("conv", "conv_transpose") or len(layer.in_shape) < 4:
+    """N*C*D*H of the input a conv of this device sees (slab, micro-batch), where it decides PyTorch's CPU
+    kernel: the slow one only for a batch of 1 and a kernel no wider than 3 (``use_mkldnn``); else 0."""
+    wide = any(w.kernel > 3 for w in layer.windows[-2:])
+    if layer.kind not in ("conv", "conv_transpose") or len(layer.in_shape) < 4 or ctx.micro_batch > 1 or wide:
         return 0
     dims = layer.in_shape[2:4]
     grid = ctx.grid if layer.spatial_in and len(ctx.grid) == len(layer.in_shape) - 2 else (1,) * len(dims)
