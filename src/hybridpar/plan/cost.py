@@ -37,8 +37,7 @@ class Group:
     @staticmethod
     def of(cluster: ClusterSpec, size: int, stride: int) -> "Group":
         """The group of ``size`` ranks ``stride`` apart (ranks fill a node before the next)."""
-        spans = size > 1 and stride * size > cluster.devices_per_node
-        return Group(size, cluster.inter_node if spans else cluster.intra_node)
+        return Group(size, cluster.link(size, spans_nodes=size > 1 and stride * size > cluster.devices_per_node))
 
 
 def compute_time(flops: float, bytes_moved: float, kind: str, cluster: ClusterSpec, dtype: str) -> float:

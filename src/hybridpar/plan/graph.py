@@ -25,7 +25,6 @@ from functools import cached_property
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -488,4 +487,4 @@ def _per_dim(value, n: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
 
 
-__all__ = ["INPUT", "Layer", "ModelGraph", "analyse", "module_kind", "F"]
+__all__ = ["INPUT", "Layer", "ModelGraph", "analyse", "module_kind"]

@@ -129,26 +129,25 @@ def slab_fraction(shape: tuple[int, ...], grid: tuple[int, ...]) -> float:
     return math.prod(-(-n // p) / n for n, p in zip(shape[2:], grid))
 
 
-def _spatial(layer: Layer, ctx: MeshContext) -> tuple[float, float, dict]:
-    """(fraction of the layer this device computes, bytes per sample of each halo, spatial collectives)."""
+def _spatial(layer: Layer, ctx: MeshContext) -> tuple[float, tuple[float, ...]]:
+    """(fraction of the layer this device computes, halo bytes per sample received along each spatial dim)."""
     if not layer.spatial_in or math.prod(ctx.grid) == 1:
-        return 1.0, 0.0, {}
+        return 1.0, ()
     fraction = slab_fraction(layer.in_shape if layer.kind in ("global_pool", "flatten") else layer.out_shape,
                              ctx.grid)
-    halo = 0.0
-    if layer.windows:
-        local_in = [-(-n // p) for n, p in zip(layer.in_shape[2:], ctx.grid)]
-        channels = layer.in_shape[1]
-        for axis, rows in enumerate(_halo_rows(layer, ctx.grid)):
-            section = math.prod(n for a, n in enumerate(local_in) if a != axis)
-            halo += rows * section * channels * layer.dtype_bytes
-    return fraction, halo, {}
+    if not layer.windows:
+        return fraction, ()
+    local_in = [-(-n // p) for n, p in zip(layer.in_shape[2:], ctx.grid)]
+    channels = layer.in_shape[1]
+    halos = tuple(rows * math.prod(n for a, n in enumerate(local_in) if a != axis) * channels * layer.dtype_bytes
+                  for axis, rows in enumerate(_halo_rows(layer, ctx.grid)))
+    return fraction, halos
 
 
 def layer_options(layer: Layer, graph: ModelGraph, ctx: MeshContext, chain_only: bool) -> tuple[Option, ...]:
     """Every legal way to run ``layer`` on this mesh (replicate alone when tp is 1)."""
     scale = ctx.micro_batch / graph.batch
-    fraction, halo_per_sample, _ = _spatial(layer, ctx)
+    fraction, halo_per_sample = _spatial(layer, ctx)
     strategies = _strategies(layer, ctx.tp, chain_only)
     return tuple(_option(layer, ctx, s, scale, fraction, halo_per_sample) for s in strategies)
 
@@ -171,7 +170,7 @@ def _strategies(layer: Layer, tp: int, chain_only: bool) -> list[tuple[str, str,
 
 
 def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scale: float, fraction: float,
-            halo_per_sample: float) -> Option:
+            halo_per_sample: tuple[float, ...]) -> Option:
     name, lin, lout = strategy
     split = ctx.tp if name != "replicate" else 1
     params = layer.param_bytes / split
@@ -182,9 +181,9 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
                                          ctx.cluster, ctx.dtype, has_weight=layer.has_weight, input_grad=not first,
                                          in_channels=in_channels, work=_conv_work(layer, ctx, in_channels))
     comm = {}
-    if halo_per_sample:
-        halo_bytes = halo_per_sample * ctx.micro_batch / (split if name in ("row", "shard") else 1)
-        halo = cost.send_time(halo_bytes, ctx.spatial_group.link)
+    if any(halo_per_sample):
+        per_dim = ctx.micro_batch / (split if name in ("row", "shard") else 1)
+        halo = cost.halo_exchange_time(tuple(b * per_dim for b in halo_per_sample), ctx.spatial_group.link)
         comm["halo"] = cost.exposed_halo_time(halo, forward, ctx.overlap) + halo
     comm.update(_spatial_collectives(layer, ctx, scale, fraction, split))
     if name == "column" and not first:
@@ -209,15 +208,15 @@ def _conv_work(layer: Layer, ctx: MeshContext, in_channels: int) -> int:
     return ctx.micro_batch * in_channels * math.prod(-(-n // p) for n, p in zip(dims, grid))
 
 
-def _runtime_copies(layer: Layer, ctx: MeshContext, halo_per_sample: float) -> float:
+def _runtime_copies(layer: Layer, ctx: MeshContext, halo_per_sample: tuple[float, ...]) -> float:
     """Bytes per sample that the spatial runtime keeps for backward beyond what the plain layer keeps: the
     slab assembled with its halos that a conv then saves (a copy, where the plain conv shares its input
     with the layer before), and the intermediates of a normalisation built from all-reduced sums."""
     if not layer.spatial_in or math.prod(ctx.grid) == 1:
         return 0.0
     slab = _in_bytes(layer) / layer.in_shape[0] * _in_fraction(layer, ctx)
-    if layer.kind == "conv" and halo_per_sample:
-        return slab + halo_per_sample
+    if layer.kind == "conv" and any(halo_per_sample):
+        return slab + sum(halo_per_sample)
     if layer.kind == "group_norm":
         return slab
     return 0.0

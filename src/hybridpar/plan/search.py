@@ -271,7 +271,7 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
             log.fail(mesh, f"spatial grid {'x'.join(map(str, grid))}: {err}")
             continue
         per_replica = c.global_batch // dp
-        whole = _units(graph, cluster, c, mesh, per_replica, cache)  # the replica's batch in one micro-batch
+        _, whole = _chain(graph, cluster, c, mesh, per_replica, cache)  # the replica's batch in one micro-batch
         for m in micro_batch_counts(per_replica, pp, c):
             # Every cost is affine in the micro-batch with a non-negative constant, so one micro-batch of
             # 1/m of the samples takes at least 1/m of the time; a stage at least 1/pp of that.
@@ -351,10 +351,6 @@ def _chain(graph, cluster, c, mesh, micro_batch, cache) -> tuple[Chain, Units]:
         chain = best_chain(graph, ctx, cache)
         cache[key] = (chain, Units.of(chain, legal_starts(graph, chain)))
     return cache[key]
-
-
-def _units(graph, cluster, c, mesh, micro_batch, cache) -> Units:
-    return _chain(graph, cluster, c, mesh, micro_batch, cache)[1]
 
 
 def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) -> Candidate:
