@@ -5,9 +5,10 @@ Configurations: float32, Adam, one global batch of ``B = 4`` samples, on ``N`` =
 processes, every ``dp x spatial grid`` with ``dp * prod(grid) = N`` (grids split depth first: ``2x1x1``,
 ``4x1x1``, ``2x2x1``), for a CosmoFlow-like regression net and a small 3D U-Net, each at two sample edges.
 
-**Measured.** Each configuration runs in fresh workers (``hybridpar.launch.launch_local``, gloo on
-127.0.0.1) started with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the OS, so the peak
-resident set measures live tensors) and ``OMP_NUM_THREADS = max(1, cores // N)``. Each worker builds
+**Measured.** Each configuration runs twice in fresh workers (``hybridpar.launch.launch_local``, gloo on
+127.0.0.1, ``OMP_NUM_THREADS = max(1, cores // N)``): once for time, as a training run would, and once
+for memory, with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the OS, so the peak resident
+set measures live tensors; it costs a page fault per fresh page, so it is not timed). Each worker builds
 the mesh (``ParallelDims``, ``build_mesh``), the model from seed 0, converts it with
 ``hybridpar.spatial.parallelize`` when the grid splits, wraps it in DDP over ``dp x spatial``
 (``data_parallel``) and takes Adam (``build_optimizer``), as ``hybridpar train`` does; its input is its
@@ -17,7 +18,7 @@ entropy), backward, ``optimizer.step()``, started on all ranks together (a barri
 the warm-up steps the peak RSS is reset (``clear_refs``); step time = the median over timed steps of the
 slowest rank's step; memory = the largest ``VmHWM`` over ranks after the timed steps (nothing subtracted).
 
-**Predicted.** ``hybridpar calibrate --nproc N`` (the same environment as the runs) describes this
+**Predicted.** ``hybridpar calibrate --nproc N`` (the environment of the timing runs) describes this
 machine as N devices; ``hybridpar.plan.validate`` prices each configuration's ``Plan`` on the model's
 graph (``graph_of`` on the meta device) without halo overlap (CPU runs do not overlap halos), and
 ``search_plans`` (tp = pp = 1, no sharding, no checkpointing) ranks the configurations of each N.
@@ -72,6 +73,7 @@ BATCH = 4  # global batch: dp in {1, 2, 4} divides it
 PROCS = (1, 2, 4)
 NETS = ("cosmoflow", "unet3d")
 SIZES = (32, 64)
+MEMORY_STEPS = 2  # timed steps of a memory run (its peak is the same every step)
 TARGET = 0.10  # median |relative error|, and the first-ranked plan's distance to the fastest measured
 MiB = 2**20
 DEFAULT_DIR = Path("runs/cost_model_validation")
@@ -137,8 +139,12 @@ def threads_for(num_procs: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // num_procs)
 
 
-def worker_env(num_procs: int) -> dict[str, str]:
-    return {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads_for(num_procs))}
+def worker_env(num_procs: int, memory: bool = False) -> dict[str, str]:
+    """The workers' environment: ``cores // N`` threads, and for a memory run ``MALLOC_MMAP_THRESHOLD_`` (freed
+    tensors go back to the OS, so the peak resident set measures live tensors; a timing run leaves glibc
+    its default, as a training run does, since a fresh mapping per tensor costs page faults every step)."""
+    env = {"OMP_NUM_THREADS": str(threads_for(num_procs))}
+    return env | {"MALLOC_MMAP_THRESHOLD_": "65536"} if memory else env
 
 
 # -- one worker process ----------------------------------------------------------------------------
@@ -226,15 +232,22 @@ def worker(cfg: Config, num_warmup: int, num_steps: int) -> dict:
     return result
 
 
-def run_config(cfg: Config, num_warmup: int, num_steps: int) -> dict:
-    """The measured row of ``cfg`` from fresh workers: step time and phases (slowest rank per step,
-    median over steps), peak and baseline memory (largest over ranks)."""
-    os.environ.update(worker_env(cfg.num_procs))
+def _launch(cfg: Config, num_warmup: int, num_steps: int, memory: bool) -> list[dict]:
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    os.environ.update(worker_env(cfg.num_procs, memory))
     ranks = launch_local(worker, (cfg, num_warmup, num_steps), cfg.num_procs)
-    ranks = [ranks[r] for r in sorted(ranks)]
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def run_config(cfg: Config, num_warmup: int, num_steps: int) -> dict:
+    """The measured row of ``cfg`` from two launches of fresh workers: a timing run (step time and phases:
+    slowest rank per step, median over steps) and a memory run (peak and baseline memory, largest over
+    ranks; ``worker_env``)."""
+    ranks = _launch(cfg, num_warmup, num_steps, memory=False)
     steps = range(len(ranks[0]["phases"]))
     per_step = [max(sum(r["phases"][i]) for r in ranks) for i in steps]
     phase = [statistics.median(max(r["phases"][i][k] for r in ranks) for i in steps) for k in range(3)]
+    timing, ranks = ranks, _launch(cfg, num_warmup, MEMORY_STEPS, memory=True)
     return {
         "step_s": statistics.median(per_step), "steps_s": per_step,
         "forward_s": phase[0], "backward_s": phase[1], "optimizer_s": phase[2],
@@ -245,7 +258,7 @@ def run_config(cfg: Config, num_warmup: int, num_steps: int) -> dict:
         # everything, and at the start of the timed steps
         "stages_bytes": [v * 1024 for v in max((r["peak_kib"], r["baseline_kib"], r["built_kib"], r["steady_kib"])
                                                for r in ranks)[1:]],
-        "threads": ranks[0]["threads"],
+        "threads": timing[0]["threads"],
     }
 
 
@@ -262,7 +275,8 @@ def calibrate(cluster_dir: Path, procs, recalibrate: bool, quick: bool) -> dict[
             command = [sys.executable, "-m", "hybridpar", "calibrate", "--nproc", str(n), "--out", str(path),
                        "--overwrite"] + (["--quick"] if quick else [])
             start = time.perf_counter()
-            subprocess.run(command, env={**os.environ, **worker_env(n)}, check=True, stdout=subprocess.DEVNULL)
+            env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | worker_env(n)
+            subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
             _log(f"calibrated N={n}{' (quick)' if quick else ''}: {path} ({time.perf_counter() - start:.0f} s)")
         paths[n] = path
     return paths

@@ -4,6 +4,7 @@ name the file and the key), and ``hybridpar calibrate`` writing a file that read
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from hybridpar.calibrate import fit_p2p, fit_ring
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
-from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ClusterSpec, ConvEfficiency, GiB, Link, preset
+from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ClusterSpec, ConvRate, GiB, Link, OpRate, preset
 from hybridpar.plan.io import cluster_from_toml, cluster_to_toml, load_cluster, write_cluster
 
 A100 = PRESETS["a100-80"]
@@ -266,6 +267,11 @@ def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, c
     assert spec.efficiency["matmul"] == 1.0 and 0 < spec.efficiency["conv"] <= 1
     assert 1e8 < spec.peak_flops["float32"] < 1e14 and 1e8 < spec.memory_bandwidth < 1e13
     assert 0 < spec.reserved_memory < spec.device_memory
+    # the quick conv grid (2 x 2 x 2 points) and the row scaled to 8x its largest positions; two sizes per op
+    assert len(spec.conv_rates) == 12 and {r.positions for r in spec.conv_rates} == {2**11, 2**14, 2**17}
+    ops = [r.op for r in spec.op_rates]
+    assert {"MaxPool3d", "InstanceNorm3d", "ConvTranspose3d", "add", "cat", "LayerNorm"} <= set(ops)
+    assert all(ops.count(op) == 2 for op in ops)
     link = spec.intra_node
     assert 0 < link.latency < 0.1 and 0 < link.step_latency < 0.1 and link.bandwidth > 1e6 and link.bus_bandwidth > 1e6
     assert "inter_node = intra_node" in out.read_text()
@@ -277,24 +283,65 @@ def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, c
     assert out.read_text() == before
 
 
-def test_conv_efficiency_curve_round_trips_and_interpolates():
-    rows = (ConvEfficiency(16, 0.9, 0.8, 0.7), ConvEfficiency(1, 0.3, 0.1, 0.2))
-    spec = dataclasses.replace(preset("a100-80"), conv_efficiency=rows)
-    assert spec.conv_efficiency[0].in_channels == 1  # sorted by channels
-    again = cluster_from_toml(cluster_to_toml(spec))
-    assert again == spec
-    peak = spec.peak_flops["tfloat32"]  # float32 convs run on TF32 tensor cores where the device has them
-    assert spec.conv_flops("float32", 1) == pytest.approx((0.3 * peak, 0.1 * peak, 0.2 * peak))
-    assert spec.conv_flops("float32", 4) == pytest.approx((0.6 * peak, 0.45 * peak, 0.45 * peak))  # half way in log2
-    assert spec.conv_flops("float32", 256) == pytest.approx((0.9 * peak, 0.8 * peak, 0.7 * peak))  # clamped
+def _grid(rate) -> tuple[ConvRate, ...]:
+    """A float32 conv grid: in (1, 16) x out (4, 64) x positions (2**10, 2**20), rates from ``rate(point)``."""
+    points = itertools.product((1, 16), (4, 64), (2**10, 2**20))
+    return tuple(ConvRate("float32", *p, *rate(p)) for p in points)
+
+
+def test_conv_rates_round_trip_and_interpolate_in_log_space():
+    # forward 1e9 * in * out, input gradient constant, weight gradient halving as positions grow 1024x
+    rows = _grid(lambda p: (1e9 * p[0] * p[1], 5e9, 8e9 if p[2] == 2**10 else 4e9))
+    spec = dataclasses.replace(preset("a100-80"), conv_rates=rows[::-1])
+    assert spec.conv_rates == tuple(sorted(rows))  # kept sorted
+    assert cluster_from_toml(cluster_to_toml(spec)) == spec
+    assert spec.conv_flops("float32", 1, 4, 2**10) == pytest.approx((4e9, 5e9, 8e9))  # a grid point
+    # half way in log2 along every axis: the geometric mean of the corners
+    assert spec.conv_flops("float32", 4, 16, 2**15) == pytest.approx((1e9 * 4 * 16, 5e9, 8e9 / 2**0.5))
+    assert spec.conv_flops("float32", 256, 1024, 2**30) == pytest.approx((1e9 * 16 * 64, 5e9, 4e9))  # clamped
+    slow = dataclasses.replace(spec, fast_conv_min=20480, slow_conv_factor=0.25)
+    assert slow.conv_flops("float32", 1, 4, 2**10, work=4096) == pytest.approx((1e9, 1.25e9, 2e9))
+    assert slow.conv_flops("float32", 1, 4, 2**10, work=40960) == pytest.approx((4e9, 5e9, 8e9))
+    # other dtypes, and specs without rows: efficiency.conv of the peak (TF32 for float32 where the device has it)
+    assert spec.conv_flops("bfloat16", 3, 3, 10) == (spec.flops("bfloat16", "conv"),) * 3
     plain = preset("a100-80")
-    assert plain.conv_flops("float32", 3) == (plain.flops("tfloat32", "conv"),) * 3
-    assert preset("v100").conv_flops("float32", 3) == (preset("v100").flops("float32", "conv"),) * 3
+    assert plain.conv_flops("float32", 3, 3, 10) == (plain.flops("tfloat32", "conv"),) * 3
+    assert preset("v100").conv_flops("float32", 3, 3, 10) == (preset("v100").flops("float32", "conv"),) * 3
 
 
-def test_conv_efficiency_rows_are_checked():
-    with pytest.raises(ClusterError, match=r"conv_efficiency\[in_channels=4\].forward = 1.5"):
-        ConvEfficiency(4, 1.5, 0.5, 0.5)
-    text = cluster_to_toml(preset("a100-80")) + "\n[[conv_efficiency]]\nin_channels = 4\nforward = 0.5\n"
-    with pytest.raises(ClusterError, match=r"missing key conv_efficiency\[0\].backward"):
+def test_conv_rates_are_checked():
+    with pytest.raises(ClusterError, match=r"conv_rates\[float32, 4 -> 8, 64 positions\].forward = -1"):
+        ConvRate("float32", 4, 8, 64, -1.0, 1.0, 1.0)
+    with pytest.raises(ClusterError, match=r"unknown dtype 'float8'"):
+        ConvRate("float8", 4, 8, 64, 1.0, 1.0, 1.0)
+    with pytest.raises(ClusterError, match=r"lacks \(in, out, positions\) = \(16, 64, 1048576\)"):
+        dataclasses.replace(preset("a100-80"), conv_rates=_grid(lambda p: (1.0, 1.0, 1.0))[:-1])
+    text = cluster_to_toml(preset("a100-80")) + '\n[[conv_rates]]\ndtype = "float32"\nin_channels = 4\n'
+    with pytest.raises(ClusterError, match=r"c.toml: missing key conv_rates\[0\].out_channels"):
         cluster_from_toml(text, "c.toml")
+
+
+def test_sync_wait_round_trips_and_is_checked():
+    link = Link(bandwidth=2e9, latency=1e-4, sync_wait=2e-3)
+    spec = dataclasses.replace(preset("a100-80"), intra_node=link)
+    assert cluster_from_toml(cluster_to_toml(spec)).intra_node == link
+    assert "sync_wait_us = 2000" in cluster_to_toml(spec) and "sync_wait" not in cluster_to_toml(preset("a100-80"))
+    with pytest.raises(ClusterError, match=r"Link.sync_wait = -1"):
+        Link(bandwidth=1.0, latency=1.0, sync_wait=-1)
+    text = cluster_to_toml(spec).replace("sync_wait_us = 2000", "sync_wait_us = -3")
+    with pytest.raises(ClusterError, match=r"c.toml: intra_node.sync_wait_us = -3: must be a finite number >= 0"):
+        cluster_from_toml(text, "c.toml")
+
+
+def test_op_rates_interpolate_by_size_and_fall_back_to_the_memory_bandwidth():
+    rows = (OpRate("MaxPool3d", 2**20, 8e9, 16e9), OpRate("MaxPool3d", 2**26, 2e9, 4e9))
+    spec = dataclasses.replace(preset("a100-80"), op_rates=rows[::-1])
+    assert cluster_from_toml(cluster_to_toml(spec)) == spec
+    assert spec.op_rate("MaxPool3d", 2**20) == pytest.approx((8e9, 16e9))
+    assert spec.op_rate("MaxPool3d", 2**23) == pytest.approx((4e9, 8e9))  # half way in log2 bytes
+    assert spec.op_rate("MaxPool3d", 1) == pytest.approx((8e9, 16e9))  # clamped
+    assert spec.op_rate("ReLU", 2**20) == (spec.memory_bandwidth,) * 2
+    with pytest.raises(ClusterError, match="op_rates give MaxPool3d at 1048576 bytes twice"):
+        dataclasses.replace(spec, op_rates=rows + rows[:1])
+    with pytest.raises(ClusterError, match=r"op_rates\[ReLU\].bytes = 0"):
+        OpRate("ReLU", 0, 1.0, 1.0)

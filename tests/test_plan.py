@@ -1,6 +1,7 @@
 """The planner: model analysis, cost terms, the exactness of every search step against brute force,
 Plan JSON and validation. Single process, meta device: nothing here allocates a real activation."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -15,8 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from hybridpar.errors import GeometryError, PlanError
 from hybridpar.models import gpt
 from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, search_plans, validate
-from hybridpar.plan.cluster import ClusterSpec, Link
-from hybridpar.plan.layers import check_grid
+from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
+from hybridpar.plan.layers import check_grid, layer_options
 from hybridpar.plan.search import Constraints, _context, best_chain, legal_starts, meshes, micro_batch_counts, price
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.validate import chain_of
@@ -128,6 +129,24 @@ def test_collective_formulas():
     assert cost.model_state_memory(100.0, 1, 4, "sgd") == (100.0, 100.0, 25.0)
 
 
+def test_ranks_that_meet_wait_once_per_pass():
+    link = Link(bandwidth=1e9, latency=1e-6, sync_wait=1e-3)
+    group = cost.Group(4, link)
+    assert cost.all_reduce_time(8e6, group) == pytest.approx(4e-6 + 1.5 * 8e6 / 1e9)  # the operations themselves
+    assert cost.halo_exchange_time((1e6, 0.0, 1e6), link) == pytest.approx(2 * (1e-6 + 1e-3))
+    plain = cost.gradient_sync_time(8e6, cost.Group(4, Link(bandwidth=1e9, latency=1e-6)), 1.0, 0)
+    assert cost.gradient_sync_time(8e6, group, 1.0, 0) == pytest.approx(plain + 1e-3)
+    # a layer whose passes communicate waits once per pass, however many operations it runs
+    graph = graph_of(TinyUNet(width=4), (2, 1, 16, 16, 16))
+    spec = dataclasses.replace(small_cluster(4), intra_node=link, inter_node=link)
+    ctx = _ctx(graph, spec, grid=(2, 2, 1), tp=1, micro_batch=2)
+    for layer in graph.layers:
+        option = layer_options(layer, graph, ctx, True)[0]
+        talks = any(option.comm.get(k) for k in ("halo", "spatial"))
+        assert option.comm.get("sync", 0.0) == (2e-3 if talks else 0.0)
+    assert any(o.comm.get("sync") for o in (layer_options(l, graph, ctx, True)[0] for l in graph.layers))
+
+
 def test_gradient_sync_by_sharding_level():
     group = cost.Group(4, Link(bandwidth=1e9, latency=1e-6))
     big = 1e9  # far more than one bucket, far slower than the backward below
@@ -139,6 +158,49 @@ def test_gradient_sync_by_sharding_level():
                                   + cost.reduce_scatter_time(cost.BUCKET_BYTES, group) + gather)
     assert cost.gradient_sync_time(big, group, 0.1, 3) == pytest.approx(zero2 - gather)
     assert cost.gradient_sync_time(big, cost.Group(1, group.link), 0.1, 0) == 0.0
+
+
+def test_layer_times_use_the_measured_rates():
+    rows = tuple(ConvRate("float32", cin, cout, positions, 4e9, 2e9, 1e9)
+                 for cin, cout, positions in itertools.product((1, 64), (4, 64), (2**10, 2**20)))
+    spec = dataclasses.replace(small_cluster(1), conv_rates=rows,
+                               op_rates=(OpRate("MaxPool3d", 2**20, 1e9, 4e9), OpRate("Conv3d", 2**20, 1e9, 1e9)))
+    flops, moved = 8e9, 2**20
+    # a conv: forward, input gradient, weight gradient at their own rates (each at least its bytes' time)
+    times = cost.layer_times("conv", "Conv3d", flops, moved, spec, "float32", has_weight=True, input_grad=True,
+                             channels=(16, 16), positions=2**15)
+    assert times == pytest.approx((2.0, 4.0 + 8.0))
+    first = cost.layer_times("conv", "Conv3d", flops, moved, spec, "float32", has_weight=True, input_grad=False,
+                             channels=(16, 16), positions=2**15)
+    assert first == pytest.approx((2.0, 8.0))  # the first layer: the weight gradient only
+    tiny = cost.layer_times("conv", "Conv3d", 1.0, moved, spec, "float32", has_weight=True, input_grad=True,
+                            channels=(16, 16), positions=2**15)
+    assert tiny == pytest.approx((moved / 1e9, 2 * moved / 1e9))  # a 1x1 conv: its bytes set the time
+    # a memory-bound layer at its op's rates; an op without rows at the memory bandwidth
+    pool = cost.layer_times("pool", "MaxPool3d", 0, moved, spec, "float32", has_weight=False, input_grad=True)
+    assert pool == pytest.approx((moved / 1e9, moved / 4e9))
+    relu = cost.layer_times("pointwise", "ReLU", 0, moved, spec, "float32", has_weight=False, input_grad=False)
+    assert relu == pytest.approx((moved / spec.memory_bandwidth, 0.0))
+
+
+def test_the_spatial_runtime_pays_its_copies_and_its_split_norms():
+    graph = graph_of(TinyUNet(width=4), (2, 1, 16, 16, 16))
+    spec = small_cluster(2)
+    whole, split = (_ctx(graph, spec, grid=grid, tp=1, micro_batch=2) for grid in ((1, 1, 1), (2, 1, 1)))
+    by_name = {layer.name: layer for layer in graph.layers}
+    bandwidth = spec.memory_bandwidth
+    conv = by_name["mid.0"]  # (2, 4, 8, 8, 8) -> (2, 8, 8, 8, 8), k = 3: a half gets one 8 x 8 row from its neighbour
+    slab = layer_options(conv, graph, split, True)[0]
+    half = cost.layer_times("conv", "Conv3d", conv.flops / 2, (conv.bytes_moved - conv.param_bytes) / 2 + conv.param_bytes,
+                            spec, "float32", has_weight=True, input_grad=True, channels=(4, 8), positions=2 * 8**3 / 2)
+    copy = 2 * (2 * 4 * 4 * 8 * 8 * 4 + 2 * 4 * 8 * 8 * 4) / bandwidth  # read + write of the slab and its halo
+    assert (slab.forward, slab.time - slab.forward - sum(slab.comm.values())) == pytest.approx((half[0] + copy,
+                                                                                                 half[1] + copy))
+    norm = by_name["enc.1"]  # affine InstanceNorm3d
+    plain, slab = (layer_options(norm, graph, ctx, True)[0] for ctx in (whole, split))
+    fused = (norm.bytes_moved - norm.param_bytes) / 2  # the half a rank holds
+    assert slab.forward == pytest.approx((4 + 2) * fused / bandwidth)
+    assert plain.forward == pytest.approx(norm.bytes_moved / bandwidth)
 
 
 def test_groups_span_nodes_by_their_stride():

@@ -7,23 +7,32 @@ oversubscription and shared memory bandwidth are measured, not assumed. Per work
 - matmul (1024 x 1024 @ 1024 x 1024, 2 M N K FLOPs) -> ``peak_flops[dtype]``, so ``efficiency.matmul = 1``;
 - conv3d forward + backward on (2, 16, 32^3), 16 -> 16 channels, k = 3 (backward = 2 x forward FLOPs)
   -> ``efficiency.conv`` = conv / matmul throughput;
-- conv3d (k = 3, 32 output channels) on (2, C, 32^3) for C in 1, 4, 16, 64: forward, forward + backward, and
-  forward + backward of the weight alone -> ``conv_efficiency`` rows (thin inputs, like a network's first
-  layer, run far below a wide conv on CPUs; the planner interpolates in log2 C);
+- conv3d (k = 3, batch 2) on the grid ``CONV_GRID`` of input channels x output channels x output positions:
+  forward, forward + backward, forward + backward of the weight alone -> ``conv_rates`` rows, FLOP/s of the
+  forward, the input gradient and the weight gradient (on CPUs a thin conv runs at a tenth of a wide one's
+  rate, a weight gradient from few channels slower still; the planner interpolates in log2 of all three);
+  one more positions row, ``LARGE_FACTOR`` times the largest, scaled from a 16 -> 16 conv measured at both;
+- a batch-1 conv on PyTorch's slow CPU kernel against the same conv in a batch of 2 -> ``slow_conv_factor``;
 - ``a + b`` on 64 MiB tensors into a fresh output (3 x 64 MiB moved) -> ``memory_bandwidth``: eager training
-  writes every activation to a new tensor, so first-touch page faults are part of the bandwidth it sees.
+  writes every activation to a new tensor, so first-touch page faults are part of the bandwidth it sees;
+- the memory-bound layers of ``OP_BENCHMARKS`` (pooling, normalisation, activations, a stride-2 transposed
+  conv, ``add``, ``cat``), forward and forward + backward -> ``op_rates``: bytes/s of the bytes the planner's
+  model analysis counts for the layer.
 
 Each timed repeat starts after a barrier; a worker's number is the median of its repeats, the machine's the
 median over workers. Communication: ping-pong between ranks 0 and 1 over message sizes, fitted to
 ``latency + bytes / bandwidth``; all-reduce over all N ranks, fitted to the ring model
-``2(N-1) step_latency + 2(N-1)/N bytes / bus_bandwidth``. With N = 1 there is nobody to talk to: compute is
-measured by one worker alone, communication by a second launch of 2 workers. One machine has no
+``2(N-1) step_latency + 2(N-1)/N bytes / bus_bandwidth``; the wait of an exchange that follows compute
+(``sync_wait``, ``_sync_wait``). With N = 1 there is nobody to talk to: compute is measured by one worker
+alone, communication by a second launch of 2 workers (and ``sync_wait`` is 0). One machine has no
 inter-node link: ``inter_node`` is a copy of ``intra_node`` (said in the TOML file's header).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
+import math
 import os
 import socket
 import statistics
@@ -34,21 +43,75 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridpar.errors import HybridparError
 from hybridpar.launch import init_distributed, launch_local, shutdown_distributed
-from hybridpar.plan.cluster import ClusterSpec, ConvEfficiency, Link
+from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
 
 DTYPES = ("float32", "float64")
 MATMUL_EDGE = 1024
 CONV_INPUT = (2, 16, 32, 32, 32)  # (N, C, D, H, W): big enough for the mkldnn path in float32
 CONV_KERNEL = 3
 MEMORY_BYTES = 64 * 2**20  # per tensor of the elementwise add
-CONV_CHANNELS = (1, 4, 16, 64)  # input channels of the conv efficiency curve
-CURVE_OUT_CHANNELS = 32
+FLUSH_BYTES = 64 * 2**20  # written before each timed call: more than the last-level caches of most CPUs
+# conv_rates: in channels x out channels x output positions (batch 2: PyTorch's fast CPU kernel)
+CONV_GRID = ((1, 4, 16, 64), (4, 16, 64), (2**11, 2**14, 2**17))
+CONV_GRID_QUICK = ((1, 16), (4, 64), (2**11, 2**14))
+# Past the grid's largest positions (where the caches give out) a conv slows down about alike for all channel
+# counts: the row at LARGE_FACTOR x the largest positions is the largest row scaled by what that costs a
+# 16 -> 16 conv (measuring every channel pair there would take minutes).
+REFERENCE_CONV = (16, 16)
+LARGE_FACTOR = 8
+SLOW_CONV = (16, 16, 2**13)  # a batch-1 conv from (1, 16, 16, 16, 32): N*C*D*H = 4096, the slow kernel
+
+
+class _Join(nn.Module):
+    """A tensor operation between modules, ``x + x`` or ``cat([x, x])``, after an ``Identity`` (a container, so
+    that the model analysis sees the operation as a layer of its own, as in a real model)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.source = nn.Identity()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.source(x))
+
+
+# Sizes of the memory-bound layers measured, by (quick, large): an (N, C, D, H, W) volume of 4 MiB of float32
+# (past the L2 caches, inside a large L3) and one of 32 MiB (past the caches); rows of a transformer.
+VOLUMES = {(False, False): (2, 16, 32, 32, 32), (False, True): (4, 16, 64, 64, 32),
+           (True, False): (2, 16, 16, 16, 16), (True, True): (2, 16, 32, 32, 32)}
+ROWS = {(False, False): (1024, 1024), (False, True): (4096, 2048), (True, False): (256, 256), (True, True): (1024, 1024)}
+
+
+def _half(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:2] + tuple(n // 2 for n in shape[2:])
+
+
+# The memory-bound layers measured for `op_rates`, each ``(quick, large) -> (module, input shape)``: pooling and
+# normalisation run below the memory bandwidth on CPUs, and so do a transposed conv of stride 2 and a 1x1 conv.
+OP_BENCHMARKS = (
+    lambda k: (nn.MaxPool3d(2), VOLUMES[k]),
+    lambda k: (nn.AvgPool3d(2), VOLUMES[k]),
+    lambda k: (nn.AdaptiveAvgPool3d(1), VOLUMES[k]),
+    lambda k: (nn.BatchNorm3d(16), VOLUMES[k]),
+    lambda k: (nn.InstanceNorm3d(16), VOLUMES[k]),
+    lambda k: (nn.GroupNorm(4, 16), VOLUMES[k]),
+    lambda k: (nn.ReLU(), VOLUMES[k]),
+    lambda k: (nn.LeakyReLU(0.3), VOLUMES[k]),
+    lambda k: (nn.ConvTranspose3d(16, 16, 2, stride=2), _half(VOLUMES[k])),
+    lambda k: (nn.Conv3d(16, 4, 1), VOLUMES[k]),
+    lambda k: (_Join(lambda x: x + x), VOLUMES[k]),
+    lambda k: (_Join(lambda x: torch.cat([x, x], 1)), VOLUMES[k]),
+    lambda k: (nn.LayerNorm(ROWS[k][1]), ROWS[k]),
+    lambda k: (nn.GELU(), ROWS[k]),
+)
 FAST_CONV_MIN = 20480  # PyTorch's CPU rule: a batch of 1 takes oneDNN only when N*C*D*H of the input exceeds this
 SMALL_BYTES = 256  # messages up to this size give the latency
+SYNC_CONV_INPUT = (2, 16, 16, 32, 32)  # the conv each rank runs before the exchanges of _sync_wait (a few ms)
 
 
 @dataclass(frozen=True)
@@ -58,12 +121,18 @@ class Settings:
 
     @property
     def repeats(self) -> int:
-        return 3 if self.quick else 15
+        return 3 if self.quick else 7
 
     @property
     def max_inner(self) -> int:
         """Timed operations per repeat for the smallest messages (each takes microseconds)."""
         return 10 if self.quick else 50
+
+    @property
+    def conv_grid(self) -> tuple[tuple[int, int, int], ...]:
+        """(in channels, out channels, output positions) of the measured convs: every combination."""
+        grid = CONV_GRID_QUICK if self.quick else CONV_GRID
+        return tuple(itertools.product(*grid))
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -118,67 +187,110 @@ def worker(settings: Settings, phases: tuple[str, ...]) -> dict | None:
 
 
 def _measure_compute(settings: Settings) -> dict:
-    """Throughputs of matmul, conv3d and an elementwise add, their repeats interleaved so that a slow
-    moment of the machine slows all alike (``efficiency.conv`` and the conv curve are ratios to matmul)."""
+    """Throughputs of matmul, conv3d (one wide conv, the ``conv_rates`` grid, the slow batch-1 kernel), an
+    elementwise add and the memory-bound ops of ``OP_BENCHMARKS``, their repeats interleaved so that a slow
+    moment of the machine slows all alike. Each backward pass is timed alone, on a forward kept for it."""
     dtype = getattr(torch, settings.dtype)
     torch.manual_seed(dist.get_rank())
     n = MATMUL_EDGE
     a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
     conv_flops, conv_step = _conv_step(dtype)
     x, y = (torch.ones(MEMORY_BYTES // a.element_size(), dtype=dtype) for _ in range(2))
-    work = [2 * n**3, conv_flops, 3 * MEMORY_BYTES]
     fns = [lambda: torch.mm(a, b, out=c), conv_step, lambda: torch.add(x, y)]
-    curve = [_conv_curve_steps(channels, dtype, settings.quick) for channels in CONV_CHANNELS]
-    for _, steps in curve:
+    grid = [_conv_steps(*point, dtype) for point in settings.conv_grid]
+    largest = max(p[2] for p in settings.conv_grid)
+    grid += [_conv_steps(*REFERENCE_CONV, positions, dtype) for positions in (largest, LARGE_FACTOR * largest)]
+    grid += [_conv_steps(*SLOW_CONV, dtype, batch=batch) for batch in (1, 2)]
+    ops = [_op_steps(make, (settings.quick, large), dtype) for make in OP_BENCHMARKS for large in (False, True)]
+    for _, steps in grid:
         fns += steps
-    slow_flops, slow_steps = _conv_curve_steps(16, dtype, settings.quick, batch=1)
-    fns.append(slow_steps[1])
-    times = [statistics.median(t) for t in _interleaved_times(fns, settings.repeats)]
-    rates = [amount / t for amount, t in zip(work, times)]
-    efficiencies = []
-    for i, (flops, _) in enumerate(curve):
-        forward, both, weight = times[3 + 3 * i : 6 + 3 * i]
-        # a backward is its pass's time less the forward's (at least a tenth of the forward: noise)
-        efficiencies += [flops / forward, 2 * flops / max(both - forward, forward / 10),
-                         flops / max(weight - forward, forward / 10)]
-    fast = curve[CONV_CHANNELS.index(16)]
-    fast_time = times[3 + 3 * CONV_CHANNELS.index(16) + 1] / fast[0]  # seconds per forward FLOP, both gradients
-    slow = min(times[-1] / slow_flops / fast_time, 1e9)
-    values = _median_over_ranks(rates + [min(rate / rates[0], 1.0) for rate in efficiencies] + [min(1 / slow, 1.0)])
-    rows = [(channels, *values[3 + 3 * i : 6 + 3 * i]) for i, channels in enumerate(CONV_CHANNELS)]
-    return {"matmul_flops": values[0], "conv_flops": values[1], "memory_bandwidth": values[2], "conv_curve": rows,
-            "slow_conv_factor": values[-1]}
+    for _, _, steps in ops:
+        fns += steps
+    times = iter([statistics.median(t) for t in _interleaved_times(fns, settings.repeats)])
+    values = [2 * n**3 / next(times), conv_flops / next(times), 3 * MEMORY_BYTES / next(times)]
+    for flops, _ in grid[:-2]:
+        values += [flops / next(times), flops / next(times), flops / next(times)]  # forward, input, weight gradient
+    slow, fast = [flops / (next(times) + next(times) + next(times)) for flops, _ in grid[-2:]]
+    values.append(min(slow / fast, 1.0))
+    for _, op_bytes, _ in ops:
+        values += [op_bytes / next(times), op_bytes / next(times)]
+    values = iter(_median_over_ranks(values))
+    result = {"matmul_flops": next(values), "conv_flops": next(values), "memory_bandwidth": next(values)}
+    rates = {point: (next(values), next(values), next(values)) for point in settings.conv_grid}
+    small, large = (next(values), next(values), next(values)), (next(values), next(values), next(values))
+    for cin, cout, positions in settings.conv_grid:  # the grid's largest positions, times LARGE_FACTOR
+        if positions == largest:
+            rates[cin, cout, LARGE_FACTOR * largest] = tuple(r * b / a for r, a, b in zip(rates[cin, cout, positions],
+                                                                                         small, large))
+    result["conv_rates"] = [(*point, *r) for point, r in rates.items()]
+    result["slow_conv_factor"] = next(values)
+    result["op_rates"] = [(*op, next(values), next(values)) for op, _, _ in ops]
+    return result
 
 
-def _conv_curve_steps(channels: int, dtype: torch.dtype, quick: bool, batch: int = 0):
-    """Forward FLOPs of a 3x3x3 conv from ``channels`` to 32 channels, and three timed functions: forward;
-    forward and backward (input and weight gradients); forward and backward of the weight alone. The batch
-    (unless given) is large enough for PyTorch's fast CPU kernel (``FAST_CONV_MIN``)."""
-    edge = 16 if quick else 32
-    batch = batch or max(2, -(-(FAST_CONV_MIN + 1) // (channels * edge * edge)))
-    x = torch.randn(batch, channels, edge, edge, edge, dtype=dtype)
-    x_grad = x.clone().requires_grad_()
-    w = (torch.randn(CURVE_OUT_CHANNELS, channels, 3, 3, 3, dtype=dtype) / (channels * 27) ** 0.5).requires_grad_()
-    grad_out = torch.randn(batch, CURVE_OUT_CHANNELS, edge, edge, edge, dtype=dtype)
-    flops = 2 * batch * CURVE_OUT_CHANNELS * edge**3 * channels * 27
+def _conv_steps(in_channels: int, out_channels: int, positions: int, dtype: torch.dtype, batch: int = 2):
+    """Forward FLOPs of a 3x3x3 conv from ``in_channels`` to ``out_channels`` over ``positions`` output
+    positions in a batch of ``batch`` (two: PyTorch's fast CPU kernel; one, thin: its slow kernel), and
+    three timed functions: its forward, its input gradient, its weight gradient (each backward alone, on a
+    forward kept for it)."""
+    dims = _conv_dims(positions // batch)
+    x = torch.randn(batch, in_channels, *dims, dtype=dtype)
+    w = torch.randn(out_channels, in_channels, 3, 3, 3, dtype=dtype) / (in_channels * 27) ** 0.5
+    grad_out = torch.randn(batch, out_channels, *dims, dtype=dtype)
+    flops = 2 * batch * math.prod(dims) * out_channels * in_channels * 27
+    return flops, [lambda: F.conv3d(x, w, padding=1), *_backward_steps(lambda x, w: F.conv3d(x, w, padding=1),
+                                                                       (x, w), grad_out, separate=True)]
 
-    def both():
-        torch.autograd.grad(F.conv3d(x_grad, w, padding=1), (x_grad, w), grad_out)
 
-    def weight():
-        torch.autograd.grad(F.conv3d(x, w, padding=1), (w,), grad_out)
+def _backward_steps(fn, inputs, grad_out, separate: bool) -> list:
+    """Timed backward passes of ``fn(*inputs)``, on one forward kept for them: the gradient of each input
+    apart (``separate``) or of all of them at once."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    groups = [(t,) for t in leaves] if separate else [tuple(leaves)]
+    return [lambda wrt=wrt: torch.autograd.grad(out, wrt, grad_out, retain_graph=True) for wrt in groups]
 
-    return flops, [lambda: F.conv3d(x, w, padding=1), both, weight]
+
+def _conv_dims(volume: int) -> tuple[int, int, int]:
+    """A (D, H, W) of ``volume`` (a power of two) as near a cube as powers of two allow, W the longest."""
+    e = round(math.log2(volume))
+    d = e // 3
+    return 2**d, 2 ** ((e - d) // 2), 2 ** (e - d - (e - d) // 2)
+
+
+def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
+    """The op of the (last) layer ``make(key)`` builds and the bytes its forward reads and writes, both as
+    the planner's model analysis sees them, and two timed functions: its forward; its backward (the
+    gradients of the input and of any weight, on a forward kept for it)."""
+    from hybridpar.plan.graph import analyse
+
+    module, shape = make(key)
+    module = module.to(dtype)
+    layer = analyse(module, shape, dtype).layers[-1]
+    x = torch.randn(shape, dtype=dtype)
+    params = [p for p in module.parameters() if p.requires_grad]
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+
+    def call(x, *weights):
+        return torch.func.functional_call(module, dict(zip(names, weights)), (x,))
+
+    grad_out = torch.randn_like(module(x))
+    steps = [lambda: module(x), *_backward_steps(call, [x, *params], grad_out, separate=False)]
+    return (layer.op, int(layer.bytes_moved)), layer.bytes_moved, steps
 
 
 def _interleaved_times(fns, repeats: int, warmup: int = 2) -> list[list[float]]:
-    """Seconds of each ``fn()`` per repeat; each call starts on all ranks together (a barrier, not timed)."""
+    """Seconds of each ``fn()`` per repeat; each call starts on all ranks together (a barrier, not timed)
+    with the caches cold (``FLUSH_BYTES`` written first, not timed): in a training step a layer's weights
+    and most of its data come from memory, not from the caches its last call left warm."""
     for fn in fns:
         for _ in range(warmup):
             fn()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8)
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, samples in zip(fns, times):
+            flush.fill_(1)
             dist.barrier()
             start = time.perf_counter()
             fn()
@@ -206,7 +318,38 @@ def _measure_comm(settings: Settings) -> dict:
     rank = dist.get_rank()
     p2p = _ping_pong(settings, rank) if rank < 2 else []
     dist.barrier()
-    return {"p2p_times": p2p, "allreduce_times": _allreduce_times(settings), "allreduce_ranks": dist.get_world_size()}
+    return {"p2p_times": p2p, "allreduce_times": _allreduce_times(settings), "allreduce_ranks": dist.get_world_size(),
+            "sync_wait": _sync_wait(settings)}
+
+
+def _sync_wait(settings: Settings) -> float:
+    """Seconds an exchange waits beyond its own time when the ranks come to it from computing: every rank
+    runs a conv, then sends a small message to the next rank and receives one from the one before; the
+    mean time of that exchange over repeats and ranks, less the mean of the same exchange without the conv
+    first (the ranks arrive apart: scheduling, other processes on the cores)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(SYNC_CONV_INPUT)
+    w = torch.randn(SYNC_CONV_INPUT[1], SYNC_CONV_INPUT[1], 3, 3, 3) / (SYNC_CONV_INPUT[1] * 27) ** 0.5
+    send, recv = torch.zeros(SMALL_BYTES // 4), torch.empty(SMALL_BYTES // 4)
+
+    def exchange() -> float:
+        start = time.perf_counter()
+        for request in (dist.isend(send, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)):
+            request.wait()
+        return time.perf_counter() - start
+
+    means = []
+    for compute in (False, True):
+        dist.barrier()
+        times = []
+        for _ in range(settings.repeats * 3):
+            if compute:
+                F.conv3d(x, w, padding=1)
+            times.append(exchange())
+        means.append(statistics.mean(times))
+    waits = [torch.empty(1, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(waits, torch.tensor([means[1] - means[0]], dtype=torch.float64))
+    return max(0.0, statistics.mean(w.item() for w in waits))
 
 
 def _inner(settings: Settings, nbytes: int) -> int:
@@ -338,14 +481,16 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
     conv = result["conv_flops"] / result["matmul_flops"]
     if conv > 1:
         notes.append(f"conv3d ran at {conv:.2f}x the matmul throughput; efficiency.conv clamped to 1")
-    link = Link(bandwidth, latency, collective_bandwidth=bus_bandwidth, collective_latency=step_latency)
+    link = Link(bandwidth, latency, collective_bandwidth=bus_bandwidth, collective_latency=step_latency,
+                sync_wait=result["sync_wait"] if nproc > 1 else 0.0)
     host = socket.gethostname()
     spec = ClusterSpec(
         name=f"calibrated-{host}-{nproc}proc", num_nodes=1, devices_per_node=nproc,
         device_memory=_mem_total() / nproc, reserved_memory=result["reserved_memory"],
         peak_flops={settings.dtype: result["matmul_flops"]}, efficiency={"matmul": 1.0, "conv": min(conv, 1.0)},
         memory_bandwidth=result["memory_bandwidth"], intra_node=link, inter_node=link,
-        conv_efficiency=tuple(ConvEfficiency(*row) for row in result["conv_curve"]),
+        conv_rates=tuple(ConvRate(settings.dtype, *row) for row in result["conv_rates"]),
+        op_rates=tuple(OpRate(*row) for row in result["op_rates"]),
         fast_conv_min=FAST_CONV_MIN, slow_conv_factor=result["slow_conv_factor"],
     )
     when = datetime.datetime.now().isoformat(timespec="seconds")
@@ -354,6 +499,19 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
                f"worker process each, all measured at once (docs/cluster.md).\n" + "\n".join(notes))
     return Calibration(spec, result["matmul_flops"], result["conv_flops"], sizes, tuple(result["p2p_times"]),
                        tuple(result["allreduce_times"]), result["allreduce_ranks"], tuple(notes), comment)
+
+
+def _conv_summary(spec: ClusterSpec) -> list[tuple[str, str, str]]:
+    """The conv grid in three rows: each pass's slowest and fastest rate."""
+    rows = spec.conv_rates
+    if not rows:
+        return []
+    out = []
+    for field in ("forward", "input_grad", "weight_grad"):
+        rates = [getattr(r, field) for r in rows]
+        out.append((f"conv3d k=3 {field.replace('_', ' ')} over {len(rows)} (in, out, positions)",
+                    f"{min(rates) / 1e9:.1f} to {max(rates) / 1e9:.1f}", "GFLOP/s"))
+    return out
 
 
 def summary(cal: Calibration) -> list[tuple[str, str, str]]:
@@ -365,12 +523,14 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
         ("conv3d forward + backward", f"{cal.conv_flops / 1e9:.1f}", "GFLOP/s"),
         ("efficiency.conv", f"{spec.efficiency['conv']:.3f}", ""),
         ("memory bandwidth (into a fresh tensor)", f"{spec.memory_bandwidth / 1e9:.2f}", "GB/s"),
-        *((f"conv from {r.in_channels} channels: forward / backward / weight", f"{r.forward:.2f} / "
-           f"{r.backward:.2f} / {r.weight_gradient:.2f}", "of peak") for r in spec.conv_efficiency),
+        *_conv_summary(spec),
+        *((f"{r.op} moving {r.bytes / 2**20:.1f} MiB: forward / backward", f"{r.forward / 1e9:.1f} / "
+           f"{r.backward / 1e9:.1f}", "GB/s") for r in spec.op_rates),
         (f"conv on PyTorch's slow CPU kernel (N*C*D*H <= {spec.fast_conv_min})", f"{spec.slow_conv_factor:.2f}",
          "x the fast rate"),
         ("point-to-point latency", f"{link.latency * 1e6:.1f}", "µs"),
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
+        ("wait of an exchange after compute (sync_wait)", f"{link.sync_wait * 1e6:.1f}", "µs"),
         (f"all-reduce step latency ({cal.allreduce_ranks} ranks)", f"{link.step_latency * 1e6:.1f}", "µs"),
         (f"all-reduce bus bandwidth ({cal.allreduce_ranks} ranks)", f"{link.bus_bandwidth / 1e9:.2f}", "GB/s"),
         ("device memory (MemTotal / N)", f"{spec.device_memory / 2**30:.2f}", "GiB"),

@@ -7,6 +7,8 @@ A :class:`ClusterSpec` describes identical nodes of identical devices. Numbers a
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -57,12 +59,18 @@ class Link:
     latency: float  # seconds per message
     collective_bandwidth: float | None = None  # bytes/s all-reduce bus bandwidth (nccl-tests); None: bandwidth
     collective_latency: float | None = None  # seconds per algorithm step of a collective; None: latency
+    # seconds a synchronising operation (a send, a collective) waits beyond its latency when the ranks come to
+    # it from computing: they arrive apart (scheduling, shared cores); measured by calibrate, else 0
+    sync_wait: float = 0.0
 
     def __post_init__(self):
         for field in ("bandwidth", "latency", "collective_bandwidth", "collective_latency"):
             value = getattr(self, field)
             if value is not None or field in ("bandwidth", "latency"):
                 _check_positive(f"Link.{field}", value)
+        wait = self.sync_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait >= 0):
+            raise ClusterError(f"Link.sync_wait = {wait!r}: must be a finite number >= 0 (seconds)")
 
     @property
     def bus_bandwidth(self) -> float:
@@ -75,25 +83,80 @@ class Link:
         return self.latency if self.collective_latency is None else self.collective_latency
 
 
-@dataclass(frozen=True, order=True)
-class ConvEfficiency:
-    """Achievable fraction of ``peak_flops`` of a convolution with ``in_channels`` input channels: its forward,
-    its backward (input and weight gradients) and its backward when only the weight needs a gradient."""
+def _check_count(label: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{label} = {value!r}: must be a whole number >= 1")
 
+
+@dataclass(frozen=True, order=True)
+class ConvRate:
+    """Measured FLOP/s of a 3x3x3, stride-1 convolution in ``dtype`` from ``in_channels`` to ``out_channels``
+    over ``positions`` output positions (``N·D·H·W``): its forward, its input gradient and its weight gradient
+    (each counted as the forward's FLOPs)."""
+
+    dtype: str
     in_channels: int
+    out_channels: int
+    positions: int
     forward: float
-    backward: float
-    weight_gradient: float
+    input_grad: float
+    weight_grad: float
 
     def __post_init__(self):
-        if isinstance(self.in_channels, bool) or not isinstance(self.in_channels, int) or self.in_channels < 1:
-            raise ClusterError(f"conv_efficiency.in_channels = {self.in_channels!r}: must be a whole number >= 1")
-        for field in ("forward", "backward", "weight_gradient"):
-            value = getattr(self, field)
-            _check_positive(f"conv_efficiency[in_channels={self.in_channels}].{field}", value)
-            if value > 1:
-                raise ClusterError(f"conv_efficiency[in_channels={self.in_channels}].{field} = {value!r}: a "
-                                   "fraction of peak, in (0, 1]")
+        where = f"conv_rates[{self.dtype}, {self.in_channels} -> {self.out_channels}, {self.positions} positions]"
+        if self.dtype not in DTYPES:
+            raise ClusterError(f"{where}: unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
+        for field in ("in_channels", "out_channels", "positions"):
+            _check_count(f"{where}.{field}", getattr(self, field))
+        for field in ("forward", "input_grad", "weight_grad"):
+            _check_positive(f"{where}.{field}", getattr(self, field))
+
+    @property
+    def point(self) -> tuple[int, int, int]:
+        return self.in_channels, self.out_channels, self.positions
+
+
+@dataclass(frozen=True, order=True)
+class OpRate:
+    """Measured bytes/s of a layer ``op`` (a module class such as ``"MaxPool3d"``, or a function such as
+    ``"add"``, as the model analysis names it) whose forward reads and writes ``bytes``: its forward and its
+    backward, each as the layer's forward bytes per second. Several sizes of one op interpolate (caches)."""
+
+    op: str
+    bytes: int
+    forward: float
+    backward: float
+
+    def __post_init__(self):
+        if not isinstance(self.op, str) or not self.op:
+            raise ClusterError(f"op_rates: op = {self.op!r}: give the layer's op, e.g. \"MaxPool3d\"")
+        _check_count(f"op_rates[{self.op}].bytes", self.bytes)
+        for field in ("forward", "backward"):
+            _check_positive(f"op_rates[{self.op}, {self.bytes} bytes].{field}", getattr(self, field))
+
+
+@functools.lru_cache(maxsize=64)
+def _conv_grid(rows: tuple[ConvRate, ...], dtype: str) -> tuple[tuple[tuple[int, ...], ...], dict]:
+    """The axes (in channels, out channels, positions) and the rows by point of ``dtype``'s grid."""
+    mine = {row.point: row for row in rows if row.dtype == dtype}
+    return tuple(tuple(sorted({p[i] for p in mine})) for i in range(3)), mine
+
+
+@functools.lru_cache(maxsize=256)
+def _op_rows(rows: tuple[OpRate, ...], op: str) -> tuple[OpRate, ...]:
+    return tuple(row for row in rows if row.op == op)  # sorted by bytes, as the spec sorts its rows
+
+
+def _log2_weights(points: tuple[int, ...], value: float) -> tuple[tuple[int, float], ...]:
+    """Linear interpolation weights of ``value`` among sorted ``points`` in log2 space, clamped at the ends."""
+    x, logs = math.log2(max(value, 1)), [math.log2(p) for p in points]
+    if x <= logs[0]:
+        return ((0, 1.0),)
+    if x >= logs[-1]:
+        return ((len(points) - 1, 1.0),)
+    k = next(i for i, p in enumerate(logs) if p >= x)
+    t = (x - logs[k - 1]) / (logs[k] - logs[k - 1])
+    return ((k - 1, 1 - t), (k, t))
 
 
 @dataclass(frozen=True)
@@ -110,9 +173,12 @@ class ClusterSpec:
     memory_bandwidth: float  # bytes/s of device memory (pointwise ops, normalisation, pooling)
     intra_node: Link
     inter_node: Link
-    # Optional, measured by `hybridpar calibrate`: conv efficiency by input channels (thin inputs, such as a
-    # network's first layer, run far below a wide conv's rate on CPUs). Empty: efficiency["conv"] for all.
-    conv_efficiency: tuple[ConvEfficiency, ...] = ()
+    # Optional, measured by `hybridpar calibrate`: conv FLOP/s on a grid of (in channels, out channels, output
+    # positions) per dtype (on CPUs thin convs run at a tenth of a wide one's rate, and a weight gradient from
+    # few channels slower still), and the bytes/s of memory-bound layers by op (pooling, normalisation, ...).
+    # Without rows: efficiency["conv"] for every conv, memory_bandwidth for every memory-bound layer.
+    conv_rates: tuple[ConvRate, ...] = ()
+    op_rates: tuple[OpRate, ...] = ()
     # Optional, CPUs: PyTorch runs a conv of one sample with a kernel up to 3 wide on its fast (oneDNN) kernel only
     # when N*C*D*H of its input exceeds `fast_conv_min`; below, on a slower one, at `slow_conv_factor` times the
     # rate (calibrate measures it).
@@ -121,10 +187,16 @@ class ClusterSpec:
 
     def __post_init__(self):
         owner = f"ClusterSpec {self.name!r}"
-        object.__setattr__(self, "conv_efficiency", tuple(sorted(self.conv_efficiency)))
-        for row in self.conv_efficiency:
-            if not isinstance(row, ConvEfficiency):
-                raise ClusterError(f"{owner}: conv_efficiency holds {row!r}: give ConvEfficiency rows")
+        for field, kind in (("conv_rates", ConvRate), ("op_rates", OpRate)):
+            rows = tuple(getattr(self, field))
+            if not all(isinstance(row, kind) for row in rows):
+                raise ClusterError(f"{owner}: {field} holds {rows!r}: give {kind.__name__} rows")
+            object.__setattr__(self, field, tuple(sorted(rows)))
+        self._check_conv_grid(owner)
+        ops = [(row.op, row.bytes) for row in self.op_rates]
+        if len(set(ops)) < len(ops):
+            op, size = next(key for key in ops if ops.count(key) > 1)
+            raise ClusterError(f"{owner}: op_rates give {op} at {size} bytes twice; give one row per op and size")
         for field in ("peak_flops", "efficiency"):
             if not isinstance(getattr(self, field), Mapping):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a mapping, e.g. a dict")
@@ -147,6 +219,17 @@ class ClusterSpec:
         for field in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, field), Link):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a Link")
+
+    def _check_conv_grid(self, owner: str) -> None:
+        """The rows of each dtype fill a grid (every in x out x positions combination once): they interpolate."""
+        for dtype in {row.dtype for row in self.conv_rates}:
+            points = [row.point for row in self.conv_rates if row.dtype == dtype]
+            axes = [sorted({p[i] for p in points}) for i in range(3)]
+            missing = [p for p in itertools.product(*axes) if p not in points]
+            if missing or len(points) != len(set(points)):
+                what = f"lacks (in, out, positions) = {missing[0]}" if missing else "repeats a point"
+                raise ClusterError(f"{owner}: conv_rates for {dtype} {what}; give one row for every combination of "
+                                   f"in_channels {axes[0]}, out_channels {axes[1]} and positions {axes[2]}")
 
     def _check_reserved(self, owner: str) -> None:
         value = self.reserved_memory
@@ -184,37 +267,45 @@ class ClusterSpec:
             raise ClusterError(f"compute kind {kind!r} is unknown; use {', '.join(KINDS)}")
         return self.peak_flops[dtype] * self.efficiency[kind]
 
-    def conv_flops(self, dtype: str, in_channels: int, work: int = 0) -> tuple[float, float, float]:
-        """Achievable FLOP/s of a conv's forward, backward and weight-only backward with ``in_channels`` inputs:
-        the measured curve interpolated in log2(channels) (clamped at its ends), or ``efficiency["conv"]``;
-        times ``slow_conv_factor`` when ``work`` (N*C*D*H of the input) is at most ``fast_conv_min``."""
-        rates = self._conv_flops(dtype, in_channels)
+    def conv_flops(self, dtype: str, in_channels: int, out_channels: int, positions: float,
+                   work: int = 0) -> tuple[float, float, float]:
+        """Achievable FLOP/s of a conv's forward, input gradient and weight gradient: the measured
+        ``conv_rates`` of ``dtype`` interpolated in log2 of channels in and out and of output positions (log
+        rates, trilinear, clamped at the grid's ends), or ``efficiency["conv"]`` of peak; times
+        ``slow_conv_factor`` when ``work`` (N*C*D*H of the input) is at most ``fast_conv_min``."""
+        rates = self._conv_flops(dtype, in_channels, out_channels, positions)
         if work and work <= self.fast_conv_min:
             return tuple(rate * self.slow_conv_factor for rate in rates)
         return rates
 
-    def _conv_flops(self, dtype: str, in_channels: int) -> tuple[float, float, float]:
-        if dtype == "float32" and "tfloat32" in self.peak_flops:
-            dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
-        peak = self.flops(dtype, "conv") / self.efficiency["conv"]
-        rows = self.conv_efficiency
+    def _conv_flops(self, dtype: str, in_channels: int, out_channels: int, positions: float):
+        axes, rows = _conv_grid(self.conv_rates, dtype)
         if not rows:
+            if dtype == "float32" and "tfloat32" in self.peak_flops:
+                dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
             rate = self.flops(dtype, "conv")
             return rate, rate, rate
-        x = math.log2(max(in_channels, 1))
-        points = [math.log2(r.in_channels) for r in rows]
-        if x <= points[0]:
-            lo = hi = rows[0]
-            t = 0.0
-        elif x >= points[-1]:
-            lo = hi = rows[-1]
-            t = 0.0
-        else:
-            k = next(i for i, p in enumerate(points) if p >= x)
-            lo, hi = rows[k - 1], rows[k]
-            t = (x - points[k - 1]) / (points[k] - points[k - 1])
-        return tuple(peak * ((1 - t) * getattr(lo, f) + t * getattr(hi, f))
-                     for f in ("forward", "backward", "weight_gradient"))
+        logs = [0.0, 0.0, 0.0]
+        for (i, a), (j, b), (k, c) in itertools.product(_log2_weights(axes[0], in_channels),
+                                                        _log2_weights(axes[1], out_channels),
+                                                        _log2_weights(axes[2], positions)):
+            row = rows[axes[0][i], axes[1][j], axes[2][k]]
+            for q, rate in enumerate((row.forward, row.input_grad, row.weight_grad)):
+                logs[q] += a * b * c * math.log(rate)
+        return tuple(math.exp(v) for v in logs)
+
+    def op_rate(self, op: str, num_bytes: float) -> tuple[float, float]:
+        """Bytes/s of the forward and the backward of a layer ``op`` moving ``num_bytes``: its measured
+        ``op_rates`` interpolated in log2 of the bytes (log rates, clamped at the ends), else
+        ``memory_bandwidth`` for both."""
+        rows = _op_rows(self.op_rates, op)
+        if not rows:
+            return self.memory_bandwidth, self.memory_bandwidth
+        logs = [0.0, 0.0]
+        for i, w in _log2_weights(tuple(row.bytes for row in rows), num_bytes):
+            logs[0] += w * math.log(rows[i].forward)
+            logs[1] += w * math.log(rows[i].backward)
+        return math.exp(logs[0]), math.exp(logs[1])
 
     def with_devices(self, n: int) -> ClusterSpec:
         """The same hardware with ``n`` devices in all: one node of ``n`` or ``n / devices_per_node`` full nodes."""

@@ -9,8 +9,13 @@ gloo choose by size, over the group's link (the inter-node link once a group spa
     all_gather      steps · latency     + (n-1)/n  · bytes / bus_bandwidth     (reduce_scatter alike)
     send            latency + bytes / bandwidth
 
+Where ranks meet after computing apart -- a layer's communication in each pass, a pipeline send, the
+gradient synchronisation -- they also wait ``Link.sync_wait`` (0 unless calibrate measured it): the ranks
+arrive at different moments, and the communication of one pass waits once (its later operations follow
+at once).
+
 Compute follows the roofline: a layer takes the longer of its FLOPs at the achievable rate of its
-kind (``conv`` or ``matmul``) and its bytes at the memory bandwidth.
+kind and its bytes at the memory rate of its op (``layer_times``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class Group:
 
 
 def compute_time(flops: float, bytes_moved: float, kind: str, cluster: ClusterSpec, dtype: str) -> float:
-    """Roofline time of one layer's forward."""
+    """Roofline time of one layer's forward at the cluster's rate for its kind and its memory bandwidth."""
     if kind in CONV_KINDS:
         rate = cluster.flops(dtype, "conv")
     elif kind in MATMUL_KINDS:
@@ -52,21 +57,32 @@ def compute_time(flops: float, bytes_moved: float, kind: str, cluster: ClusterSp
     return max(flop_time, bytes_moved / cluster.memory_bandwidth)
 
 
-def layer_times(kind: str, flops: float, bytes_moved: float, cluster: ClusterSpec, dtype: str, *,
-                has_weight: bool, input_grad: bool, in_channels: int, work: int = 0) -> tuple[float, float]:
-    """Forward and backward time of one layer. The backward computes the input gradient (if the input needs
-    one) and the weight gradient (if it has weights): about the forward's work each. Convolutions use the
-    cluster's rates for their input channels and ``work`` (N*C*D*H of the input: ``ClusterSpec.conv_flops``)."""
-    grads = int(input_grad) + int(has_weight)
+def layer_times(kind: str, op: str, flops: float, bytes_moved: float, cluster: ClusterSpec, dtype: str, *,
+                has_weight: bool, input_grad: bool, channels: tuple[int, int] = (0, 0), positions: float = 0,
+                work: int = 0) -> tuple[float, float]:
+    """Forward and backward time of one layer on one device.
+
+    - Convolutions: FLOPs at the cluster's rates for ``channels`` (in, out) and ``positions`` (output
+      ``N·D·H·W``) -- forward, input gradient (if the input needs one), weight gradient -- each at least
+      its bytes at the op's memory rate; ``work`` (N*C*D*H of the input) picks PyTorch's slow CPU kernel.
+    - Matmul kinds: the roofline; the backward computes the input and the weight gradient, about a
+      forward each (attention: the gradients of Q, K and V, about twice the forward).
+    - Memory-bound layers: their bytes at the op's measured rate (``ClusterSpec.op_rate``), forward and
+      backward; no backward when nothing before them needs a gradient.
+    """
+    forward_bw, backward_bw = cluster.op_rate(op, bytes_moved)
+    memory = bytes_moved / forward_bw
     if kind in CONV_KINDS:
-        forward_rate, backward_rate, weight_rate = cluster.conv_flops(dtype, in_channels, work)
-        rate = backward_rate if input_grad else weight_rate
-        memory = bytes_moved / cluster.memory_bandwidth
-        return max(flops / forward_rate, memory), max(grads * flops / rate, grads * memory) if grads else 0.0
-    forward = compute_time(flops, bytes_moved, kind, cluster, dtype)
-    if has_weight or kind in MATMUL_KINDS:  # attention: the gradients of Q, K and V take about twice the forward
-        return forward, (grads if has_weight else 2 * int(input_grad)) * forward
-    return forward, forward if input_grad else 0.0  # memory-bound: read the gradient and what was saved, write one
+        forward_rate, input_rate, weight_rate = cluster.conv_flops(dtype, *channels, positions, work)
+        backward_memory = bytes_moved / backward_bw
+        backward = (max(flops / input_rate, backward_memory) if input_grad else 0.0) + \
+            (max(flops / weight_rate, backward_memory) if has_weight else 0.0)
+        return max(flops / forward_rate, memory), backward
+    if kind in MATMUL_KINDS:
+        forward = compute_time(flops, bytes_moved, kind, cluster, dtype)
+        grads = int(input_grad) + int(has_weight) if has_weight else 2 * int(input_grad)
+        return forward, grads * forward
+    return memory, bytes_moved / backward_bw if input_grad or has_weight else 0.0
 
 
 def send_time(num_bytes: float, link: Link) -> float:
@@ -114,8 +130,9 @@ def gradient_sync_time(grad_bytes: float, group: Group, backward_time: float, sh
     if group.size == 1 or not grad_bytes:
         return 0.0
     reduce = all_reduce_time if sharding == 0 else reduce_scatter_time
+    wait = group.link.sync_wait
     last_bucket = reduce(min(grad_bytes, BUCKET_BYTES), group)
-    exposed = max(reduce(grad_bytes, group) - backward_time, 0.0) + last_bucket
+    exposed = max(reduce(grad_bytes, group) - backward_time, 0.0) + last_bucket + wait
     return exposed + (all_gather_time(grad_bytes, group) if sharding in (1, 2) else 0.0)
 
 

@@ -11,23 +11,30 @@ from decimal import Decimal
 from pathlib import Path
 
 from hybridpar.errors import ClusterError
-from hybridpar.plan.cluster import DTYPES, KINDS, PRESETS, ClusterSpec, ConvEfficiency, GiB, Link
+from hybridpar.plan.cluster import DTYPES, KINDS, PRESETS, ClusterSpec, ConvRate, GiB, Link, OpRate
 
 # unit -> power of ten from the TOML number to SI ("GiB" is binary, handled apart)
-EXP10 = {"GB/s": 9, "TFLOP/s": 12, "us": -6, "fraction": 0}
+EXP10 = {"GB/s": 9, "GFLOP/s": 9, "TFLOP/s": 12, "us": -6, "fraction": 0}
 TOP = {  # key -> (ClusterSpec field, unit); tables are read by their own functions
     "name": ("name", "str"), "nodes": ("num_nodes", "int"), "devices_per_node": ("devices_per_node", "int"),
     "device_memory_gib": ("device_memory", "GiB"), "reserved_memory_gib": ("reserved_memory", "GiB"),
     "memory_bandwidth_gbs": ("memory_bandwidth", "GB/s"), "peak_tflops": ("peak_flops", "table"),
     "efficiency": ("efficiency", "table"), "intra_node": ("intra_node", "table"), "inter_node": ("inter_node", "table"),
-    "conv_efficiency": ("conv_efficiency", "table"), "fast_conv_min": ("fast_conv_min", "optional"),
+    "conv_rates": ("conv_rates", "table"), "op_rates": ("op_rates", "table"),
+    "fast_conv_min": ("fast_conv_min", "optional"),
     "slow_conv_factor": ("slow_conv_factor", "optional"),
 }
-CONV = ("in_channels", "forward", "backward", "weight_gradient")  # keys of each [[conv_efficiency]] row
+# keys of the optional rows: key -> (field, unit)
+CONV_RATE = {"dtype": ("dtype", "str"), "in_channels": ("in_channels", "int"), "out_channels": ("out_channels", "int"),
+             "positions": ("positions", "int"), "forward_gflops": ("forward", "GFLOP/s"),
+             "input_grad_gflops": ("input_grad", "GFLOP/s"), "weight_grad_gflops": ("weight_grad", "GFLOP/s")}
+OP_RATE = {"op": ("op", "str"), "bytes": ("bytes", "int"), "forward_gbs": ("forward", "GB/s"), "backward_gbs": ("backward", "GB/s")}
+ROWS = {"conv_rates": (ConvRate, CONV_RATE), "op_rates": (OpRate, OP_RATE)}
 LINK = {  # key -> (Link field, unit, required)
     "bandwidth_gbs": ("bandwidth", "GB/s", True), "latency_us": ("latency", "us", True),
     "collective_bandwidth_gbs": ("collective_bandwidth", "GB/s", False),
     "collective_latency_us": ("collective_latency", "us", False),
+    "sync_wait_us": ("sync_wait", "us", False),
 }
 
 
@@ -76,12 +83,17 @@ def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
         link = getattr(spec, section)
         lines += ["", f"[{section}]"]
         for key, (field, unit, _) in LINK.items():
-            if getattr(link, field) is not None:
+            if getattr(link, field):
                 lines.append(f"{key} = {_to_toml(getattr(link, field), unit)}")
-    for row in spec.conv_efficiency:
-        lines += ["", "[[conv_efficiency]]", f"in_channels = {row.in_channels}"]
-        lines += [f"{key} = {_to_toml(getattr(row, key), 'fraction')}" for key in CONV[1:]]
+    for section, (_, keys) in ROWS.items():
+        for row in getattr(spec, section):
+            lines += ["", f"[[{section}]]"] + [f"{key} = {_row_value(getattr(row, field), unit)}"
+                                               for key, (field, unit) in keys.items()]
     return "\n".join(lines) + "\n"
+
+
+def _row_value(value, unit: str) -> str:
+    return _string(value) if unit == "str" else str(value) if unit == "int" else _to_toml(value, unit)
 
 
 def write_cluster(spec: ClusterSpec, path: str | Path, comment: str = "") -> None:
@@ -107,7 +119,8 @@ def _parse(table: dict) -> ClusterSpec:
     values["efficiency"] = _efficiency(_table(table, "efficiency"))
     for section in ("intra_node", "inter_node"):
         values[section] = _link(_table(table, section), section)
-    values["conv_efficiency"] = _conv_efficiency(table.get("conv_efficiency", []))
+    for section in ROWS:
+        values[section] = _rows(table.get(section, []), section)
     if values["reserved_memory"] >= values["device_memory"]:
         raise ClusterError(f"reserved_memory_gib = {_to_toml(values['reserved_memory'], 'GiB')} leaves nothing of "
                            f"device_memory_gib = {_to_toml(values['device_memory'], 'GiB')}; make it smaller")
@@ -130,19 +143,16 @@ def _efficiency(table: dict) -> dict[str, float]:
     return values
 
 
-def _conv_efficiency(rows) -> tuple[ConvEfficiency, ...]:
-    """The optional ``[[conv_efficiency]]`` rows (one per measured input-channel count)."""
+def _rows(rows, section: str) -> tuple:
+    """The optional ``[[conv_rates]]`` or ``[[op_rates]]`` rows."""
+    kind, keys = ROWS[section]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ClusterError(f"conv_efficiency = {_show(rows)}: expected [[conv_efficiency]] tables")
+        raise ClusterError(f"{section} = {_show(rows)}: expected [[{section}]] tables")
     out = []
     for i, row in enumerate(rows):
-        prefix = f"conv_efficiency[{i}]."
-        _check_keys(row, CONV, prefix, "[[conv_efficiency]]")
-        values = {key: _value(row, key, prefix, "fraction") for key in CONV[1:]}
-        for key, value in values.items():
-            if value > 1:
-                raise ClusterError(f"{prefix}{key} = {row[key]}: a fraction of peak, in (0, 1]")
-        out.append(ConvEfficiency(_value(row, "in_channels", prefix, "int"), **values))
+        prefix = f"{section}[{i}]."
+        _check_keys(row, keys, prefix, f"[[{section}]]")
+        out.append(kind(**{field: _value(row, key, prefix, unit) for key, (field, unit) in keys.items()}))
     return tuple(out)
 
 
@@ -150,7 +160,7 @@ def _link(table: dict, section: str) -> Link:
     _check_keys(table, LINK, f"{section}.", f"[{section}]")
     values = {field: _value(table, key, f"{section}.", unit, required)
               for key, (field, unit, required) in LINK.items()}
-    return Link(**values)
+    return Link(**{field: value for field, value in values.items() if value is not None or field != "sync_wait"})
 
 
 def _check_keys(table: dict, allowed, prefix: str, where: str) -> None:
@@ -185,7 +195,7 @@ def _value(table: dict, key: str, prefix: str, unit: str, required: bool = True)
         return value
     if isinstance(value, bool) or not isinstance(value, (int, Decimal)):
         raise ClusterError(f"{full} = {_show(value)}: expected a number ({_describe(unit)})")
-    zero_ok = key == "reserved_memory_gib"
+    zero_ok = key in ("reserved_memory_gib", "sync_wait_us")
     if not Decimal(value).is_finite() or value < 0 or (value == 0 and not zero_ok):
         bound = "a finite number >= 0" if zero_ok else "a finite number greater than 0"
         raise ClusterError(f"{full} = {_show(value)}: must be {bound} ({_describe(unit)})")
@@ -194,6 +204,7 @@ def _value(table: dict, key: str, prefix: str, unit: str, required: bool = True)
 
 def _describe(unit: str) -> str:
     return {"GiB": "GiB, 2**30 bytes", "GB/s": "GB/s, 1e9 bytes/s", "TFLOP/s": "TFLOP/s, 1e12 FLOP/s",
+            "GFLOP/s": "GFLOP/s, 1e9 FLOP/s",
             "us": "microseconds", "fraction": "a fraction of peak in (0, 1]", "int": "a whole number",
             "str": "a string"}[unit]
 

@@ -23,6 +23,9 @@ R, S, P = "R", "S", "P"
 SPATIAL_KINDS = frozenset({"conv", "conv_transpose", "pool", "global_pool", "batch_norm", "group_norm",
                            "pointwise", "flatten", "upsample", "cat"})
 SHARDABLE = frozenset({"pointwise", "batch_norm", "pool", "upsample"})
+# A spatially split normalisation runs as separate ops: forward sum, x - mean, its square, the square's sum,
+# the scaling (5 reads + 3 writes: 4x the fused layer's read + write), backward about twice that.
+SPATIAL_NORM_PASSES = (4, 8)
 
 
 @dataclass(frozen=True)
@@ -176,10 +179,14 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     params = layer.param_bytes / split
     act_bytes = (layer.bytes_moved - layer.param_bytes) * scale * fraction / split
     first = all(p == INPUT for p in layer.inputs) or not layer.inputs or layer.kind == "embedding"
-    in_channels = layer.channels[0] // (split if name == "row" else 1)
-    forward, backward = cost.layer_times(layer.kind, layer.flops * scale * fraction / split, act_bytes + params,
-                                         ctx.cluster, ctx.dtype, has_weight=layer.has_weight, input_grad=not first,
-                                         in_channels=in_channels, work=_conv_work(layer, ctx, in_channels))
+    cin, cout = layer.channels
+    channels = (cin // (split if name == "row" else 1), cout // (split if name == "column" else 1))
+    positions = math.prod(layer.out_shape) / max(cout, 1) * scale * fraction
+    forward, backward = cost.layer_times(layer.kind, layer.op, layer.flops * scale * fraction / split,
+                                         act_bytes + params, ctx.cluster, ctx.dtype, has_weight=layer.has_weight,
+                                         input_grad=not first, channels=channels, positions=positions,
+                                         work=_conv_work(layer, ctx, channels[0]))
+    forward, backward = _spatial_runtime_times(layer, ctx, forward, backward, act_bytes, halo_per_sample, split)
     comm = {}
     if any(halo_per_sample):
         per_dim = ctx.micro_batch / (split if name in ("row", "shard") else 1)
@@ -188,6 +195,10 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     comm.update(_spatial_collectives(layer, ctx, scale, fraction, split))
     if name == "column" and not first:
         comm["tp"] = cost.all_reduce_time(_in_bytes(layer) * scale * fraction, ctx.tp_group)
+    waits = [g.link.sync_wait for g, kinds in ((ctx.spatial_group, ("halo", "spatial")), (ctx.tp_group, ("tp",)))
+             if any(comm.get(k) for k in kinds)]
+    if any(waits):
+        comm["sync"] = 2 * max(waits)  # the ranks meet once in forward, once in backward (cost.py)
     saved = (layer.saved_bytes * scale * fraction + _runtime_copies(layer, ctx, halo_per_sample) * ctx.micro_batch) \
         / split
     out_bytes = layer.out_bytes * scale * (fraction if layer.kind not in ("flatten", "global_pool") else 1.0)
@@ -195,6 +206,28 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     in_bytes = _in_bytes(layer) * scale * _in_fraction(layer, ctx)
     return Option(name, lin, lout, forward + backward + sum(comm.values()), forward, comm, params, saved,
                   workspace, out_bytes, in_bytes)
+
+
+def _spatial_runtime_times(layer: Layer, ctx: MeshContext, forward: float, backward: float, act_bytes: float,
+                           halo_per_sample: tuple[float, ...], split: int) -> tuple[float, float]:
+    """Forward and backward time of a layer as the spatial runtime runs it on slabs: a conv with halos first
+    assembles its slab and halos into one tensor (a copy at the forward rate of a ``cat`` of that size; its
+    backward slices the gradient back out, another), and a normalisation is built from separate elementwise
+    ops around all-reduced sums (``SPATIAL_NORM_PASSES`` times the fused layer's ``act_bytes``, an affine one
+    two passes more each way, at the forward rate of an ``add`` of that size)."""
+    if not layer.spatial_in or math.prod(ctx.grid) == 1:
+        return forward, backward
+    if layer.kind in ("conv", "conv_transpose") and any(halo_per_sample):
+        slab = _in_bytes(layer) * ctx.micro_batch / layer.in_shape[0] * _in_fraction(layer, ctx) / split
+        moved = 2 * (slab + sum(halo_per_sample) * ctx.micro_batch / split)
+        copy = moved / ctx.cluster.op_rate("cat", moved)[0]
+        return forward + copy, backward + copy
+    if layer.kind in ("group_norm", "batch_norm"):
+        passes_forward, passes_backward = SPATIAL_NORM_PASSES
+        extra = 2 if layer.has_weight else 0
+        rate = ctx.cluster.op_rate("add", act_bytes)[0]
+        return (passes_forward + extra) * act_bytes / rate, (passes_backward + 2 * extra) * act_bytes / rate
+    return forward, backward
 
 
 def _conv_work(layer: Layer, ctx: MeshContext, in_channels: int) -> int:

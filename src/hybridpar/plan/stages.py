@@ -156,7 +156,7 @@ class StageCosts:
         self.largest_params = units.max_largest_params
         self.unit_saved = units.max_saved
         link = setting.pipe_link
-        self.sends = [2 * cost.send_time(b, link) for b in units.out_bytes[:-1]] + [0.0, 0.0]
+        self.sends = [2 * (cost.send_time(b, link) + link.sync_wait) for b in units.out_bytes[:-1]] + [0.0, 0.0]
 
     def send(self, b: int) -> float:
         """Forward activation and backward gradient across the cut before unit ``b`` (none after the last)."""
