@@ -1,0 +1,150 @@
+"""Filter and channel parallelism for convolutions (Dryden et al., SC'19): Megatron's column / row split,
+for ``Conv1d/2d/3d``.
+
+- **Filter-parallel** (``filter_parallel``, the plan's ``column``): each of the ``P`` ranks of a group owns
+  ``C_out / P`` of the filters (weight rows and bias) and computes those output channels from the whole
+  input. The output leaves split by channels; the input's gradient is summed over the group.
+- **Channel-parallel** (``channel_parallel``, the plan's ``row``): each rank owns ``C_in / P`` of the input
+  channels (weight columns) and convolves its channel slice of the input into a partial output; the
+  partial outputs are summed over the group (then the bias, whole on every rank, is added once).
+
+A filter-parallel conv followed by pointwise layers and a channel-parallel conv needs no communication in
+between: the pair costs one all-reduce forward and one backward, as Megatron's MLP. PyTorch's DTensor has
+no such rule for convolutions (in torch 2.13 a conv with a channel-sharded DTensor weight returns wrong
+values while claiming a replicated output), so the split weights are plain local parameters and the two
+collectives are autograd Functions here; ``gather_parameter`` reassembles a whole parameter (or its
+gradient) from the shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybridpar.errors import UnsupportedModuleError
+
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Forward: the input as it is (every rank holds all of it). Backward: the gradient summed over the
+    group (each rank's filters contributed a part of it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Forward: the partial outputs summed over the group. Backward: the gradient as it is (every rank's
+    partial output fed the sum whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitConv(nn.Module):
+    """A convolution whose parameters are this rank's shard along ``dim`` (0: filters, 1: input channels)."""
+
+    def __init__(self, conv: nn.Module, group: dist.ProcessGroup, dim: int):
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.split_dim, self.parts = group, dim, size
+        self.conv_fn = FUNCTIONS[type(conv)]
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        width = conv.weight.shape[dim] // size
+        self.weight = nn.Parameter(conv.weight.detach().narrow(dim, rank * width, width).clone())
+        bias = conv.bias
+        if bias is not None and dim == 0:
+            bias = bias.detach().narrow(0, rank * width, width)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+
+    def _conv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.conv_fn(x, self.weight, bias, self.stride, self.padding, self.dilation)
+
+    def extra_repr(self) -> str:
+        kind = "filters" if self.split_dim == 0 else "input channels"
+        return f"{self.in_channels} -> {self.out_channels}, {kind} split in {self.parts}"
+
+
+class FilterParallelConv(_SplitConv):
+    """``C_out / P`` filters of a conv on every rank: whole input in, this rank's output channels out."""
+
+    def __init__(self, conv: nn.Module, group: dist.ProcessGroup):
+        super().__init__(conv, group, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv(_CopyToGroup.apply(x, self.group), self.bias)
+
+
+class ChannelParallelConv(_SplitConv):
+    """``C_in / P`` input channels of a conv on every rank: this rank's input channels in, whole output out."""
+
+    def __init__(self, conv: nn.Module, group: dist.ProcessGroup):
+        super().__init__(conv, group, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = self.weight.shape[1]
+        if x.shape[1] != width:
+            raise UnsupportedModuleError(f"channel-parallel conv ({self.extra_repr()}): its input has {x.shape[1]} "
+                                         f"channels, not this rank's {width}; feed it the output of a "
+                                         "filter-parallel conv (through pointwise layers), split by channels")
+        out = _ReduceFromGroup.apply(self._conv(x, None), self.group)
+        if self.bias is not None:
+            out = out + self.bias.view(1, -1, *([1] * (out.dim() - 2)))
+        return out
+
+
+def filter_parallel(conv: nn.Module, group: dist.ProcessGroup, where: str = "conv") -> FilterParallelConv:
+    """``conv`` split by its filters (output channels) over ``group``; ``where`` names it in errors."""
+    _check(conv, group, "out_channels", where)
+    return FilterParallelConv(conv, group)
+
+
+def channel_parallel(conv: nn.Module, group: dist.ProcessGroup, where: str = "conv") -> ChannelParallelConv:
+    """``conv`` split by its input channels over ``group``; ``where`` names it in errors."""
+    _check(conv, group, "in_channels", where)
+    return ChannelParallelConv(conv, group)
+
+
+def _check(conv: nn.Module, group: dist.ProcessGroup, field: str, where: str) -> None:
+    """Refuse what cannot be split, before any communication (the same answer on every rank)."""
+    if type(conv) not in CONVS:
+        raise UnsupportedModuleError(f"{where}: {type(conv).__name__} cannot be split by channels; filter and "
+                                     "channel parallelism take nn.Conv1d, nn.Conv2d or nn.Conv3d")
+    if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        raise UnsupportedModuleError(f"{where}: a conv with groups={conv.groups}, padding={conv.padding!r}, "
+                                     f"padding_mode={conv.padding_mode!r} cannot be split by channels; use "
+                                     "groups=1, zero padding given as numbers, or replicate the layer")
+    parts, channels = dist.get_world_size(group), getattr(conv, field)
+    if channels % parts:
+        raise UnsupportedModuleError(f"{where}: {field}={channels} does not split into {parts} equal parts; use a "
+                                     f"tensor-parallel degree that divides {channels}, or replicate the layer")
+
+
+def gather_parameter(shard: torch.Tensor, module: _SplitConv, name: str) -> torch.Tensor:
+    """The whole parameter ``name`` (``weight`` or ``bias``) of the original conv from every rank's ``shard``
+    of it (a parameter or its gradient); collective over ``module.group``."""
+    if name == "bias" and module.split_dim == 1:
+        return shard.clone()  # whole on every rank
+    parts = [torch.empty_like(shard) for _ in range(module.parts)]
+    dist.all_gather(parts, shard.contiguous(), group=module.group)
+    return torch.cat(parts, dim=module.split_dim if name == "weight" else 0)
