@@ -40,7 +40,7 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -51,7 +51,7 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        out = x.contiguous().clone()
+        out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
         return out
 

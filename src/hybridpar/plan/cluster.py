@@ -7,7 +7,6 @@ A :class:`ClusterSpec` describes identical nodes of identical devices. Numbers a
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping
@@ -135,28 +134,21 @@ class OpRate:
             _check_positive(f"op_rates[{self.op}, {self.bytes} bytes].{field}", getattr(self, field))
 
 
-@functools.lru_cache(maxsize=64)
-def _conv_grid(rows: tuple[ConvRate, ...], dtype: str) -> tuple[tuple[tuple[int, ...], ...], dict]:
-    """The axes (in channels, out channels, positions) and the rows by point of ``dtype``'s grid."""
-    mine = {row.point: row for row in rows if row.dtype == dtype}
-    return tuple(tuple(sorted({p[i] for p in mine})) for i in range(3)), mine
-
-
-@functools.lru_cache(maxsize=256)
-def _op_rows(rows: tuple[OpRate, ...], op: str) -> tuple[OpRate, ...]:
-    return tuple(row for row in rows if row.op == op)  # sorted by bytes, as the spec sorts its rows
-
-
-def _log2_weights(points: tuple[int, ...], value: float) -> tuple[tuple[int, float], ...]:
-    """Linear interpolation weights of ``value`` among sorted ``points`` in log2 space, clamped at the ends."""
-    x, logs = math.log2(max(value, 1)), [math.log2(p) for p in points]
+def _log2_weights(logs: tuple[float, ...], value: float) -> tuple[tuple[int, float], ...]:
+    """Linear interpolation weights of ``value`` among the sorted points whose log2 are ``logs``, in log2
+    space, clamped at the ends."""
+    x = math.log2(max(value, 1))
     if x <= logs[0]:
         return ((0, 1.0),)
     if x >= logs[-1]:
-        return ((len(points) - 1, 1.0),)
+        return ((len(logs) - 1, 1.0),)
     k = next(i for i, p in enumerate(logs) if p >= x)
     t = (x - logs[k - 1]) / (logs[k] - logs[k - 1])
     return ((k - 1, 1 - t), (k, t))
+
+
+def _log2s(points) -> tuple[float, ...]:
+    return tuple(math.log2(p) for p in points)
 
 
 @dataclass(frozen=True)
@@ -192,11 +184,9 @@ class ClusterSpec:
             if not all(isinstance(row, kind) for row in rows):
                 raise ClusterError(f"{owner}: {field} holds {rows!r}: give {kind.__name__} rows")
             object.__setattr__(self, field, tuple(sorted(rows)))
-        self._check_conv_grid(owner)
-        ops = [(row.op, row.bytes) for row in self.op_rates]
-        if len(set(ops)) < len(ops):
-            op, size = next(key for key in ops if ops.count(key) > 1)
-            raise ClusterError(f"{owner}: op_rates give {op} at {size} bytes twice; give one row per op and size")
+        # lookup tables of log rates, built once (the search prices every layer of every candidate with them)
+        object.__setattr__(self, "_conv_tables", self._conv_grids(owner))
+        object.__setattr__(self, "_op_tables", self._op_curves(owner))
         for field in ("peak_flops", "efficiency"):
             if not isinstance(getattr(self, field), Mapping):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a mapping, e.g. a dict")
@@ -204,9 +194,7 @@ class ClusterSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ClusterError(f"ClusterSpec.name = {self.name!r}: give a non-empty name, e.g. 'a100-80'")
         for field in ("num_nodes", "devices_per_node"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClusterError(f"{owner}: {field} = {value!r}: must be a whole number >= 1")
+            _check_count(f"{owner}: {field}", getattr(self, field))
         for field in ("device_memory", "memory_bandwidth"):
             _check_positive(f"{owner}: {field}", getattr(self, field))
         self._check_reserved(owner)
@@ -220,16 +208,35 @@ class ClusterSpec:
             if not isinstance(getattr(self, field), Link):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a Link")
 
-    def _check_conv_grid(self, owner: str) -> None:
-        """The rows of each dtype fill a grid (every in x out x positions combination once): they interpolate."""
+    def _conv_grids(self, owner: str) -> dict:
+        """Per dtype: the log2 of each axis's points (in, out, positions) and the log rates by grid index;
+        the rows must fill the grid (every in x out x positions combination once) to interpolate."""
+        tables = {}
         for dtype in {row.dtype for row in self.conv_rates}:
-            points = [row.point for row in self.conv_rates if row.dtype == dtype]
-            axes = [sorted({p[i] for p in points}) for i in range(3)]
-            missing = [p for p in itertools.product(*axes) if p not in points]
-            if missing or len(points) != len(set(points)):
+            rows = {row.point: row for row in self.conv_rates if row.dtype == dtype}
+            axes = [sorted({p[i] for p in rows}) for i in range(3)]
+            missing = [p for p in itertools.product(*axes) if p not in rows]
+            if missing or len(rows) < sum(row.dtype == dtype for row in self.conv_rates):
                 what = f"lacks (in, out, positions) = {missing[0]}" if missing else "repeats a point"
                 raise ClusterError(f"{owner}: conv_rates for {dtype} {what}; give one row for every combination of "
                                    f"in_channels {axes[0]}, out_channels {axes[1]} and positions {axes[2]}")
+            logs = {tuple(axes[a].index(p[a]) for a in range(3)):
+                    tuple(math.log(r) for r in (row.forward, row.input_grad, row.weight_grad))
+                    for p, row in rows.items()}
+            tables[dtype] = (tuple(_log2s(axis) for axis in axes), logs)
+        return tables
+
+    def _op_curves(self, owner: str) -> dict:
+        """Per op: the log2 of its sizes and the log rates (forward, backward) at each (rows sorted by size)."""
+        curves: dict[str, tuple[list, list]] = {}
+        for row in self.op_rates:
+            sizes, logs = curves.setdefault(row.op, ([], []))
+            if row.bytes in sizes:
+                raise ClusterError(f"{owner}: op_rates give {row.op} at {row.bytes} bytes twice; give one row per "
+                                   "op and size")
+            sizes.append(row.bytes)
+            logs.append((math.log(row.forward), math.log(row.backward)))
+        return {op: (_log2s(sizes), tuple(logs)) for op, (sizes, logs) in curves.items()}
 
     def _check_reserved(self, owner: str) -> None:
         value = self.reserved_memory
@@ -279,33 +286,32 @@ class ClusterSpec:
         return rates
 
     def _conv_flops(self, dtype: str, in_channels: int, out_channels: int, positions: float):
-        axes, rows = _conv_grid(self.conv_rates, dtype)
-        if not rows:
+        if dtype not in self._conv_tables:
             if dtype == "float32" and "tfloat32" in self.peak_flops:
                 dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
             rate = self.flops(dtype, "conv")
             return rate, rate, rate
-        logs = [0.0, 0.0, 0.0]
+        axes, logs = self._conv_tables[dtype]
+        out = [0.0, 0.0, 0.0]
         for (i, a), (j, b), (k, c) in itertools.product(_log2_weights(axes[0], in_channels),
                                                         _log2_weights(axes[1], out_channels),
                                                         _log2_weights(axes[2], positions)):
-            row = rows[axes[0][i], axes[1][j], axes[2][k]]
-            for q, rate in enumerate((row.forward, row.input_grad, row.weight_grad)):
-                logs[q] += a * b * c * math.log(rate)
-        return tuple(math.exp(v) for v in logs)
+            for q, log_rate in enumerate(logs[i, j, k]):
+                out[q] += a * b * c * log_rate
+        return tuple(math.exp(v) for v in out)
 
     def op_rate(self, op: str, num_bytes: float) -> tuple[float, float]:
         """Bytes/s of the forward and the backward of a layer ``op`` moving ``num_bytes``: its measured
         ``op_rates`` interpolated in log2 of the bytes (log rates, clamped at the ends), else
         ``memory_bandwidth`` for both."""
-        rows = _op_rows(self.op_rates, op)
-        if not rows:
+        if op not in self._op_tables:
             return self.memory_bandwidth, self.memory_bandwidth
-        logs = [0.0, 0.0]
-        for i, w in _log2_weights(tuple(row.bytes for row in rows), num_bytes):
-            logs[0] += w * math.log(rows[i].forward)
-            logs[1] += w * math.log(rows[i].backward)
-        return math.exp(logs[0]), math.exp(logs[1])
+        sizes, logs = self._op_tables[op]
+        forward = backward = 0.0
+        for i, w in _log2_weights(sizes, num_bytes):
+            forward += w * logs[i][0]
+            backward += w * logs[i][1]
+        return math.exp(forward), math.exp(backward)
 
     def with_devices(self, n: int) -> ClusterSpec:
         """The same hardware with ``n`` devices in all: one node of ``n`` or ``n / devices_per_node`` full nodes."""

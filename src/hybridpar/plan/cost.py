@@ -70,19 +70,18 @@ def layer_times(kind: str, op: str, flops: float, bytes_moved: float, cluster: C
     - Memory-bound layers: their bytes at the op's measured rate (``ClusterSpec.op_rate``), forward and
       backward; no backward when nothing before them needs a gradient.
     """
-    forward_bw, backward_bw = cluster.op_rate(op, bytes_moved)
-    memory = bytes_moved / forward_bw
-    if kind in CONV_KINDS:
-        forward_rate, input_rate, weight_rate = cluster.conv_flops(dtype, *channels, positions, work)
-        backward_memory = bytes_moved / backward_bw
-        backward = (max(flops / input_rate, backward_memory) if input_grad else 0.0) + \
-            (max(flops / weight_rate, backward_memory) if has_weight else 0.0)
-        return max(flops / forward_rate, memory), backward
     if kind in MATMUL_KINDS:
         forward = compute_time(flops, bytes_moved, kind, cluster, dtype)
         grads = int(input_grad) + int(has_weight) if has_weight else 2 * int(input_grad)
         return forward, grads * forward
-    return memory, bytes_moved / backward_bw if input_grad or has_weight else 0.0
+    forward_bw, backward_bw = cluster.op_rate(op, bytes_moved)
+    memory, backward_memory = bytes_moved / forward_bw, bytes_moved / backward_bw
+    if kind in CONV_KINDS:
+        forward_rate, input_rate, weight_rate = cluster.conv_flops(dtype, *channels, positions, work)
+        backward = (max(flops / input_rate, backward_memory) if input_grad else 0.0) + \
+            (max(flops / weight_rate, backward_memory) if has_weight else 0.0)
+        return max(flops / forward_rate, memory), backward
+    return memory, backward_memory if input_grad or has_weight else 0.0
 
 
 def send_time(num_bytes: float, link: Link) -> float:

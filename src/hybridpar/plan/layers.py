@@ -217,9 +217,8 @@ def _spatial_runtime_times(layer: Layer, ctx: MeshContext, forward: float, backw
     two passes more each way, at the forward rate of an ``add`` of that size)."""
     if not layer.spatial_in or math.prod(ctx.grid) == 1:
         return forward, backward
-    if layer.kind in ("conv", "conv_transpose") and any(halo_per_sample):
-        slab = _in_bytes(layer) * ctx.micro_batch / layer.in_shape[0] * _in_fraction(layer, ctx) / split
-        moved = 2 * (slab + sum(halo_per_sample) * ctx.micro_batch / split)
+    if _assembles(layer, halo_per_sample):
+        moved = 2 * (_slab_per_sample(layer, ctx) + sum(halo_per_sample)) * ctx.micro_batch / split
         copy = moved / ctx.cluster.op_rate("cat", moved)[0]
         return forward + copy, backward + copy
     if layer.kind in ("group_norm", "batch_norm"):
@@ -243,16 +242,25 @@ def _conv_work(layer: Layer, ctx: MeshContext, in_channels: int) -> int:
 
 def _runtime_copies(layer: Layer, ctx: MeshContext, halo_per_sample: tuple[float, ...]) -> float:
     """Bytes per sample that the spatial runtime keeps for backward beyond what the plain layer keeps: the
-    slab assembled with its halos that a conv then saves (a copy, where the plain conv shares its input
+    slab assembled with its halos that a conv (or transposed conv) then saves (a copy, where the plain conv shares its input
     with the layer before), and the intermediates of a normalisation built from all-reduced sums."""
     if not layer.spatial_in or math.prod(ctx.grid) == 1:
         return 0.0
-    slab = _in_bytes(layer) / layer.in_shape[0] * _in_fraction(layer, ctx)
-    if layer.kind == "conv" and any(halo_per_sample):
-        return slab + sum(halo_per_sample)
+    if _assembles(layer, halo_per_sample):
+        return _slab_per_sample(layer, ctx) + sum(halo_per_sample)
     if layer.kind == "group_norm":
-        return slab
+        return _slab_per_sample(layer, ctx)
     return 0.0
+
+
+def _assembles(layer: Layer, halo_per_sample: tuple[float, ...]) -> bool:
+    """Whether the spatial runtime copies this layer's slab and halos into one tensor (``assemble``)."""
+    return layer.kind in ("conv", "conv_transpose") and any(halo_per_sample)
+
+
+def _slab_per_sample(layer: Layer, ctx: MeshContext) -> float:
+    """Bytes of one sample's slab of the layer's (first) input on this device."""
+    return _in_bytes(layer) / layer.in_shape[0] * _in_fraction(layer, ctx)
 
 
 def _in_fraction(layer: Layer, ctx: MeshContext) -> float:
