@@ -20,13 +20,13 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.allclose(a, b, **TIGHT), f"{what}: largest difference {(a - b).abs().max().item():.3g}"
 
 
-def pair_equivalence(dims: int, stride: int, bias: bool, seed: int = 0) -> None:
+def pair_equivalence(dims: int, stride: int, bias: bool, padding=1, mode: str = "zeros", seed: int = 0) -> None:
     """A filter-parallel conv, ReLU, a channel-parallel conv (the Megatron pair) against the same layers
     in one process, on every rank of the world group."""
     conv = CONVS[dims]
     torch.manual_seed(seed)
-    model = nn.Sequential(conv(4, 8, 3, padding=1, bias=bias), nn.ReLU(),
-                          conv(8, 4, 3, stride=stride, padding=1, bias=bias)).double()
+    model = nn.Sequential(conv(4, 8, 3, padding=padding, bias=bias, padding_mode=mode), nn.ReLU(),
+                          conv(8, 4, 3, stride=stride, padding=padding, bias=bias, padding_mode=mode)).double()
     x = torch.randn(2, 4, *(6,) * dims, dtype=torch.float64, requires_grad=True)
     target = torch.randn_like(model(x))
     group = dist.group.WORLD
@@ -42,14 +42,15 @@ def pair_equivalence(dims: int, stride: int, bias: bool, seed: int = 0) -> None:
     _close(x_split.grad, x.grad, "input gradient")
     for i in (0, 2):
         for name, param in model[i].named_parameters():
-            _close(gather_parameter(getattr(split[i], name).grad, split[i], name), param.grad, f"{i}.{name} grad")
+            shard = split[i].local_parameters()[name]
+            _close(gather_parameter(shard.grad, split[i], name), param.grad, f"{i}.{name} grad")
 
     for m in (model, split):
         torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9).step()
     for i in (0, 2):
         for name, param in model[i].named_parameters():
-            _close(gather_parameter(getattr(split[i], name).detach(), split[i], name), param.detach(),
-                   f"{i}.{name} after a step")
+            shard = split[i].local_parameters()[name]
+            _close(gather_parameter(shard.detach(), split[i], name), param.detach(), f"{i}.{name} after a step")
 
 
 def filter_alone(seed: int = 0) -> None:
@@ -76,7 +77,6 @@ def refusals() -> list[str]:
     cases = [(filter_parallel, nn.Conv3d(4, 5, 3), "out_channels=5 does not split"),
              (channel_parallel, nn.Conv3d(3, 4, 3), "in_channels=3 does not split"),
              (filter_parallel, nn.Conv3d(4, 4, 3, groups=2), "groups=2"),
-             (channel_parallel, nn.Conv2d(4, 4, 3, padding="same"), "padding='same'"),
              (filter_parallel, nn.Linear(4, 4), "Linear cannot be split by channels")]
     for fn, module, match in cases:
         with pytest.raises(UnsupportedModuleError, match=match) as err:
@@ -92,6 +92,12 @@ def refusals() -> list[str]:
 @pytest.mark.parametrize("dims,stride,bias", [(3, 1, True), (3, 2, False), (2, 1, True), (1, 2, True)])
 def test_filter_then_channel_parallel_two_ranks(dist2, dims, stride, bias):
     dist2.run(pair_equivalence, dims=dims, stride=stride, bias=bias)
+
+
+@pytest.mark.parametrize("padding,mode", [("same", "zeros"), (1, "reflect"), (2, "circular")])
+def test_any_padding_splits(dist2, padding, mode):
+    """Padding is per channel, so each split conv pads its own channels as the whole conv would."""
+    dist2.run(pair_equivalence, dims=3, stride=1, bias=True, padding=padding, mode=mode)
 
 
 def test_filter_then_channel_parallel_four_ranks(dist4):

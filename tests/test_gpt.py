@@ -40,7 +40,7 @@ def test_output_shape_and_structure(tiny):
     logits = tiny(_tokens(3, 10))
     assert logits.shape == (3, 10, TINY["vocab_size"]) and logits.dtype == torch.float64
     assert len(tiny.blocks) == 2 and tiny.lm_head.bias is None
-    assert tiny.lm_head.weight is not tiny.tok_emb.weight  # untied: pipeline stages own disjoint parameters
+    assert tiny.lm_head.weight is not tiny.embed.tok.weight  # untied: pipeline stages own disjoint parameters
     block = tiny.blocks[0]
     assert block.attn.qkv.out_features == 96 and block.mlp.fc.out_features == 128  # d_ff=0 -> 4 * d_model
     assert isinstance(block.mlp.act, torch.nn.GELU)
@@ -98,8 +98,8 @@ def test_attention_matches_reference(tiny):
     B, T, d, nh = 2, 9, TINY["d_model"], TINY["num_heads"]
     hs = d // nh
     x = torch.randn(B, T, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    w, b = attn.qkv.weight, attn.qkv.bias
-    q, k, v = (x @ w[i * d:(i + 1) * d].T + b[i * d:(i + 1) * d] for i in range(3))  # (B, T, d)
+    w, b = attn.qkv.weight.view(nh, 3, hs, d), attn.qkv.bias.view(nh, 3, hs)  # rows grouped by head
+    q, k, v = (x @ w[:, i].reshape(d, d).T + b[:, i].reshape(d) for i in range(3))  # (B, T, d)
     q, k, v = (t.reshape(B, T, nh, hs).permute(0, 2, 1, 3) for t in (q, k, v))  # (B, nh, T, hs)
     scores = q @ k.transpose(-1, -2) / math.sqrt(hs)  # (B, nh, T, T)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
@@ -113,7 +113,7 @@ def test_init():
     torch.manual_seed(0)
     model = gpt(vocab_size=500, seq_len=64, num_layers=8, num_heads=4, d_model=128)
     block = model.blocks[3]
-    for weight in (model.tok_emb.weight, model.pos_emb.weight, block.attn.qkv.weight, block.mlp.fc.weight,
+    for weight in (model.embed.tok.weight, model.embed.pos.weight, block.attn.qkv.weight, block.mlp.fc.weight,
                    model.lm_head.weight):
         assert weight.std().item() == pytest.approx(0.02, rel=0.05)
     for weight in (block.attn.proj.weight, block.mlp.proj.weight):

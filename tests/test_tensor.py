@@ -37,11 +37,16 @@ class Residual(nn.Module):
 
 
 def test_pairs_are_found_from_the_graph():
-    assert pair_strategies(graph_of(mlp(), (2, 8))) == {"0": "column", "3": "row", "5": "column", "7": "row"}
+    assert pair_strategies(graph_of(mlp(), (2, 8)), tp=2) == {"0": "column", "1": "shard", "2": "shard", "3": "row",
+                                                              "5": "column", "6": "shard", "7": "row"}
+    assert pair_strategies(graph_of(mlp(), (2, 8)), tp=4) == {"0": "column", "1": "shard", "2": "shard", "3": "row",
+                                                              "5": "column", "6": "shard", "7": "row"}
+    # 12 and 4 features do not split into 8: the second pair and the output layer replicate
+    assert pair_strategies(graph_of(mlp(), (2, 8)), tp=8) == {"0": "column", "1": "shard", "2": "shard", "3": "row"}
     convs = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.LeakyReLU(), nn.Conv3d(8, 2, 1), nn.MaxPool3d(2),
                           nn.Conv3d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2 * 2, 3))
-    assert pair_strategies(graph_of(convs, (1, 2, 8, 8, 8))) == {"0": "column", "2": "row"}
-    assert pair_strategies(graph_of(Residual(), (2, 8))) == {}  # fc's output meets x: not a pure chain
+    assert pair_strategies(graph_of(convs, (1, 2, 8, 8, 8)), tp=2) == {"0": "column", "1": "shard", "2": "row"}
+    assert pair_strategies(graph_of(Residual(), (2, 8)), tp=2) == {"head": "column"}  # fc's output meets x
 
 
 def mlp_equivalence(seed: int = 0) -> None:
@@ -49,12 +54,12 @@ def mlp_equivalence(seed: int = 0) -> None:
     model = mlp().double()
     x = torch.randn(4, 8, dtype=torch.float64)
     target = torch.randn(4, 4, dtype=torch.float64)
-    strategies = pair_strategies(graph_of(model, (4, 8), dtype="float64"))
     mesh = harness.mesh((torch.distributed.get_world_size(),), ("tp",))
-    split = tensor_parallel(copy.deepcopy(model), strategies, mesh)
+    graph = graph_of(model, (4, 8), dtype="float64")
+    split = tensor_parallel(copy.deepcopy(model), pair_strategies(graph, tp=mesh.size()), mesh, graph)
     tp = mesh.size()
     for name, placement, rows in (("0.weight", Shard(0), 16 // tp), ("3.weight", Shard(1), 8),
-                                  ("7.bias", Replicate(), 4)):  # split as the pairs say
+                                  ("7.bias", Replicate(), 4)):  # as the pairs say
         param = dict(split.named_parameters())[name]
         assert isinstance(param, DTensor) and param.placements == (placement,) and param.to_local().shape[0] == rows
     loss, loss_split = F.mse_loss(model(x), target), F.mse_loss(split(x), target)
@@ -80,7 +85,8 @@ def conv_pair(seed: int = 0) -> None:
     model = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 2, 3, padding=1)).double()
     x = torch.randn(1, 2, 4, 4, 4, dtype=torch.float64)
     mesh = harness.mesh((torch.distributed.get_world_size(),), ("tp",))
-    split = tensor_parallel(copy.deepcopy(model), pair_strategies(graph_of(model, x.shape, dtype="float64")), mesh)
+    graph = graph_of(model, x.shape, dtype="float64")
+    split = tensor_parallel(copy.deepcopy(model), pair_strategies(graph, tp=mesh.size()), mesh, graph)
     assert isinstance(split[0], FilterParallelConv) and isinstance(split[2], ChannelParallelConv)
     assert torch.allclose(split(x), model(x), **TIGHT)
 
@@ -90,13 +96,15 @@ def refusals() -> list[str]:
     cases = [({"0": "column", "3": "row", "5": "column"}, "layer '5': out_features=12 does not split into 8"),
              ({"9": "column"}, "layer '9' is not in the model"),
              ({"1": "column"}, r"layer '1' \(GELU\) cannot be split column-wise"),
-             ({"0": "rows"}, "layer '0': tensor-parallel strategy 'rows'")]
+             ({"0": "rows"}, "layer '0': tensor-parallel strategy 'rows'"),
+             ({"1": "shard", "3": "row"}, r"layer '1' \(shard\) needs its input split over tp, but '0' gives it"),
+             ({"0": "column", "1": "shard"}, r"layer '1' \(shard\) leaves its output split over tp, but '2' reads")]
     messages = []
     for strategies, match in cases:
         model = mlp()
         before = [p.clone() for p in model.parameters()]
         with pytest.raises(PlanError, match=match) as err:
-            tensor_parallel(model, strategies, mesh)
+            tensor_parallel(model, strategies, mesh, graph_of(model, (2, 8)))
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was split
         messages.append(str(err.value))
     return messages

@@ -7,7 +7,7 @@ LayerNorm and a linear head to vocabulary logits. ``forward`` returns logits; th
 
 The attribute names are part of the contract: a tensor-parallel plan refers to ``blocks.*.attn.qkv`` and
 ``blocks.*.mlp.fc`` (split by output features, "column") and ``blocks.*.attn.proj`` and ``blocks.*.mlp.proj``
-(split by input features, "row"), ``tok_emb`` and ``lm_head``. Construction under ``torch.device("meta")``
+(split by input features, "row"), ``embed.tok``, ``embed.pos`` and ``lm_head``. Construction under ``torch.device("meta")``
 allocates nothing and is instant, so the planner can analyse ``gpt3-175b`` on a laptop; a runtime that
 materialises a meta model (``to_empty``) then calls ``init_weights``.
 """
@@ -90,7 +90,15 @@ def gpt_config(name: str) -> GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention: one fused ``qkv`` projection, ``num_heads`` heads, ``proj`` back."""
+    """Causal multi-head self-attention: one fused ``qkv`` projection, ``num_heads`` heads, ``proj`` back.
+
+    The rows of ``qkv`` are grouped by head (Megatron's layout): head ``h`` owns rows
+    ``[3 * h * hs, 3 * (h + 1) * hs)``, its query, key and value in that order. A contiguous split of
+    ``qkv``'s outputs into ``tp`` parts therefore gives each rank whole heads (``qkv_head_major``, which
+    ``hybridpar.parallel.tensor`` requires of a fused projection before it splits one).
+    """
+
+    qkv_head_major = True
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -102,8 +110,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, d)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs), nh * hs = d
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hs): heads may be this rank's only
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d)
@@ -139,32 +147,46 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Embeddings(nn.Module):
+    """Token ids ``(B, T)`` -> token plus learned position embeddings ``(B, T, d)``, then dropout."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.seq_len = config.seq_len
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.seq_len:
+            raise HybridparError(f"GPT: input of T={T} tokens is longer than seq_len={self.seq_len}; "
+                                 f"crop it to {self.seq_len} tokens or build the model with seq_len={T}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.tok(idx) + self.pos(pos))  # (B, T, d) + (T, d)
+
+
 class GPT(nn.Module):
     """Token ids ``(B, T)`` -> logits ``(B, T, vocab_size)``, for ``T <= seq_len``.
 
-    ``lm_head`` is deliberately *not* tied to ``tok_emb``: tying would make the first and the last pipeline
-    stage share one parameter; untied, every stage owns disjoint parameters (at the cost of
-    ``vocab_size * d_model`` more of them).
+    The forward is the composition of the top-level modules in order (``embed``, each of ``blocks``,
+    ``ln_f``, ``lm_head``), each reading only the output of the one before: a "top-level sequence of blocks"
+    that pipeline stages can cut anywhere. ``lm_head`` is deliberately *not* tied to ``embed.tok``: tying
+    would make the first and the last pipeline stage share one parameter; untied, every stage owns disjoint
+    parameters (at the cost of ``vocab_size * d_model`` more of them).
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
+        self.embed = Embeddings(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.init_weights()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
-        if T > self.config.seq_len:
-            raise HybridparError(f"GPT: input of T={T} tokens is longer than seq_len={self.config.seq_len}; "
-                                 f"crop it to {self.config.seq_len} tokens or build the model with seq_len={T}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d) + (T, d)
+        x = self.embed(idx)  # (B, T, d)
         for block in self.blocks:
             x = block(x)  # (B, T, d)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)

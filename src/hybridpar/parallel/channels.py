@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from hybridpar.errors import UnsupportedModuleError
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -52,7 +51,8 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
+        if not out.is_meta:  # a meta tensor (a spatial model's shape trace) has no values to sum
+            dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
@@ -60,25 +60,71 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather_channels(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    if not x.is_meta:  # a meta tensor (a spatial model's shape trace) has only a shape to gather
+        dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """Forward: every rank's channel slice, concatenated (dim 1). Backward: this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.width = group, x.shape[1]
+        return _all_gather_channels(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(1, dist.get_rank(ctx.group) * ctx.width, ctx.width), None
+
+
+class _SliceToGroup(torch.autograd.Function):
+    """Forward: this rank's channel slice of a whole input. Backward: every rank's slice of the gradient,
+    concatenated (each rank's slice fed only its own channels)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        width = x.shape[1] // dist.get_world_size(group)
+        return x.narrow(1, dist.get_rank(group) * width, width)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_channels(grad, ctx.group), None
+
+
 class _SplitConv(nn.Module):
-    """A convolution whose parameters are this rank's shard along ``dim`` (0: filters, 1: input channels)."""
+    """A convolution whose parameters are this rank's shard along ``dim`` (0: filters, 1: input channels):
+    an ordinary conv of this rank's channels (``self.conv``, same kernel, stride, padding and padding mode,
+    so that a spatially parallel model converts it like any conv) between the group's collectives."""
 
     def __init__(self, conv: nn.Module, group: dist.ProcessGroup, dim: int):
         super().__init__()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.split_dim, self.parts = group, dim, size
-        self.conv_fn = FUNCTIONS[type(conv)]
-        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         width = conv.weight.shape[dim] // size
-        self.weight = nn.Parameter(conv.weight.detach().narrow(dim, rank * width, width).clone())
-        bias = conv.bias
-        if bias is not None and dim == 0:
-            bias = bias.detach().narrow(0, rank * width, width)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        channels = (conv.in_channels, width) if dim == 0 else (width, conv.out_channels)
+        self.conv = type(conv)(*channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+                               dilation=conv.dilation, bias=conv.bias is not None and dim == 0,
+                               padding_mode=conv.padding_mode, device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            self.conv.weight.copy_(conv.weight.narrow(dim, rank * width, width))
+            if self.conv.bias is not None:
+                self.conv.bias.copy_(conv.bias.narrow(0, rank * width, width))
+        whole_bias = conv.bias is not None and dim == 1  # added once, after the partial outputs are summed
+        self.bias = nn.Parameter(conv.bias.detach().clone()) if whole_bias else None
 
-    def _conv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.conv_fn(x, self.weight, bias, self.stride, self.padding, self.dilation)
+    @property
+    def weight(self) -> nn.Parameter:
+        """This rank's shard of the original conv's weight."""
+        return self.conv.weight
+
+    def local_parameters(self) -> dict[str, nn.Parameter | None]:
+        """``{"weight", "bias"}``: this rank's shards, by the original conv's parameter names."""
+        return {"weight": self.conv.weight, "bias": self.conv.bias if self.split_dim == 0 else self.bias}
 
     def extra_repr(self) -> str:
         kind = "filters" if self.split_dim == 0 else "input channels"
@@ -88,41 +134,50 @@ class _SplitConv(nn.Module):
 class FilterParallelConv(_SplitConv):
     """``C_out / P`` filters of a conv on every rank: whole input in, this rank's output channels out."""
 
-    def __init__(self, conv: nn.Module, group: dist.ProcessGroup):
+    def __init__(self, conv: nn.Module, group: dist.ProcessGroup, gather_output: bool = False):
         super().__init__(conv, group, dim=0)
+        self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv(_CopyToGroup.apply(x, self.group), self.bias)
+        out = self.conv(_CopyToGroup.apply(x, self.group))
+        return _GatherFromGroup.apply(out, self.group) if self.gather_output else out
 
 
 class ChannelParallelConv(_SplitConv):
     """``C_in / P`` input channels of a conv on every rank: this rank's input channels in, whole output out."""
 
-    def __init__(self, conv: nn.Module, group: dist.ProcessGroup):
+    def __init__(self, conv: nn.Module, group: dist.ProcessGroup, slice_input: bool = False):
         super().__init__(conv, group, dim=1)
+        self.slice_input = slice_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = self.weight.shape[1]
+        width = self.conv.in_channels
+        if self.slice_input and x.shape[1] == self.in_channels:
+            x = _SliceToGroup.apply(x, self.group)
         if x.shape[1] != width:
             raise UnsupportedModuleError(f"channel-parallel conv ({self.extra_repr()}): its input has {x.shape[1]} "
                                          f"channels, not this rank's {width}; feed it the output of a "
                                          "filter-parallel conv (through pointwise layers), split by channels")
-        out = _ReduceFromGroup.apply(self._conv(x, None), self.group)
+        out = _ReduceFromGroup.apply(self.conv(x), self.group)
         if self.bias is not None:
             out = out + self.bias.view(1, -1, *([1] * (out.dim() - 2)))
         return out
 
 
-def filter_parallel(conv: nn.Module, group: dist.ProcessGroup, where: str = "conv") -> FilterParallelConv:
-    """``conv`` split by its filters (output channels) over ``group``; ``where`` names it in errors."""
+def filter_parallel(conv: nn.Module, group: dist.ProcessGroup, where: str = "conv", *,
+                    gather_output: bool = False) -> FilterParallelConv:
+    """``conv`` split by its filters (output channels) over ``group``; ``where`` names it in errors. With
+    ``gather_output`` every rank gets all the output channels (for a reader that needs them whole)."""
     _check(conv, group, "out_channels", where)
-    return FilterParallelConv(conv, group)
+    return FilterParallelConv(conv, group, gather_output)
 
 
-def channel_parallel(conv: nn.Module, group: dist.ProcessGroup, where: str = "conv") -> ChannelParallelConv:
-    """``conv`` split by its input channels over ``group``; ``where`` names it in errors."""
+def channel_parallel(conv: nn.Module, group: dist.ProcessGroup, where: str = "conv", *,
+                     slice_input: bool = False) -> ChannelParallelConv:
+    """``conv`` split by its input channels over ``group``; ``where`` names it in errors. With
+    ``slice_input`` it takes a whole input and uses this rank's channels of it."""
     _check(conv, group, "in_channels", where)
-    return ChannelParallelConv(conv, group)
+    return ChannelParallelConv(conv, group, slice_input)
 
 
 def _check(conv: nn.Module, group: dist.ProcessGroup, field: str, where: str) -> None:
@@ -130,10 +185,10 @@ def _check(conv: nn.Module, group: dist.ProcessGroup, field: str, where: str) ->
     if type(conv) not in CONVS:
         raise UnsupportedModuleError(f"{where}: {type(conv).__name__} cannot be split by channels; filter and "
                                      "channel parallelism take nn.Conv1d, nn.Conv2d or nn.Conv3d")
-    if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-        raise UnsupportedModuleError(f"{where}: a conv with groups={conv.groups}, padding={conv.padding!r}, "
-                                     f"padding_mode={conv.padding_mode!r} cannot be split by channels; use "
-                                     "groups=1, zero padding given as numbers, or replicate the layer")
+    if conv.groups != 1:
+        raise UnsupportedModuleError(f"{where}: a conv with groups={conv.groups} cannot be split by channels "
+                                     "(each group already sees only its own channels); use groups=1, or replicate "
+                                     "the layer")
     parts, channels = dist.get_world_size(group), getattr(conv, field)
     if channels % parts:
         raise UnsupportedModuleError(f"{where}: {field}={channels} does not split into {parts} equal parts; use a "

@@ -9,7 +9,10 @@ validation (``hybridpar.plan.validate``). ``layers`` names how each layer uses t
 - ``shard``: works on channel- or head-split activations as they come (pointwise, batch norm, pooling,
   attention heads).
 
-Layers not listed replicate. ``stages`` gives the first layer of each pipeline stage after the first.
+Layers not listed replicate. ``stages`` gives the first layer of each pipeline stage after the first, and
+``schedule`` how the stages run the micro-batches: ``gpipe`` (all forwards, then all backwards), ``1f1b``
+(one forward, one backward: at most ``pp`` micro-batches in flight) or ``interleaved-1f1b`` (``v`` stages per
+pp rank, ``pp * v`` in all, which shrinks the bubble ``v`` times).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from hybridpar.mesh import ParallelDims
 
 SCHEMA_VERSION = 1
 TP_STRATEGIES = ("replicate", "column", "row", "shard")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 SHARDING_NAMES = {0: "none (DDP)", 1: "optimizer state (ZeRO-1)", 2: "+ gradients (ZeRO-2)", 3: "+ parameters (FSDP)"}
 
 
@@ -47,6 +51,7 @@ class Plan:
     sharding: int = 0  # ZeRO level over the dp x spatial ranks: 0 DDP, 1, 2, 3 FSDP
     checkpointing: bool = False
     stages: tuple[str, ...] = ()  # first layer of each stage after the first
+    schedule: str = "1f1b"  # gpipe, 1f1b, or interleaved-1f1b (several stages per pp rank)
     layers: tuple[tuple[str, str], ...] = ()  # (layer name, tp strategy) for layers that do not replicate
     optimizer: str = "adam"
     dtype: str = "float32"
@@ -131,8 +136,8 @@ class Plan:
 
 FIELD_TYPES = {"dp": "count", "tp": "count", "pp": "count", "global_batch": "count", "micro_batches": "count",
                "sharding": "int", "spatial": "counts", "input_shape": "counts", "checkpointing": "bool",
-               "stages": "names", "layers": "pairs", "optimizer": "str", "dtype": "str", "model": "str",
-               "cluster": "str", "prediction": "object"}
+               "stages": "names", "schedule": "str", "layers": "pairs", "optimizer": "str", "dtype": "str",
+               "model": "str", "cluster": "str", "prediction": "object"}
 
 
 def _check_types(values: dict, where: str) -> None:

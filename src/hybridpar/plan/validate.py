@@ -10,7 +10,7 @@ from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
 from hybridpar.plan.layers import R, check_grid, transition
 from hybridpar.plan.search import Chain, Constraints, _context, _options, legal_starts, prediction_of, price
-from hybridpar.plan.types import SHARDING_NAMES, TP_STRATEGIES, Plan
+from hybridpar.plan.types import SCHEDULES, SHARDING_NAMES, TP_STRATEGIES, Plan
 
 
 def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | None = None) -> Chain:
@@ -94,7 +94,14 @@ def _check_degrees(plan: Plan, cluster: ClusterSpec) -> None:
                         "and at least 1 with them")
     if plan.sharding not in SHARDING_NAMES:
         raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
-    if len(plan.stages) != plan.pp - 1:
+    if plan.schedule not in SCHEDULES:
+        raise PlanError(f"schedule = {plan.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if plan.schedule == "interleaved-1f1b" and plan.pp > 1:
+        stages = len(plan.stages) + 1
+        if stages % plan.pp or stages < 2 * plan.pp:
+            raise PlanError(f"interleaved-1f1b with pp={plan.pp} needs a multiple of {plan.pp} stages, at least "
+                            f"{2 * plan.pp}, but the plan's {len(plan.stages)} stage boundaries make {stages}")
+    elif len(plan.stages) != plan.pp - 1:
         raise PlanError(f"pp={plan.pp} needs {plan.pp - 1} stage boundaries (the first layer of each stage after "
                         f"the first), but the plan lists {len(plan.stages)}")
 

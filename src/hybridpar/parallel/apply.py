@@ -1,0 +1,283 @@
+"""``hybridpar.parallelize``: a Plan applied to an ordinary model, in one fixed order, as a ``ParallelModel``.
+
+The order (each step only where the plan asks for it):
+
+1. **check** everything that can be wrong (mesh against plan, layer names and strategies, divisibility,
+   heads, layouts between layers, pipeline cuts, batch sizes), identically on every rank and before any
+   communication;
+2. **pipeline stages**: this rank's stage module(s), cut from the model's top-level blocks
+   (``parallel.pipeline``); without pipelining, the model itself;
+3. **spatial** parallelism: convolutions, pooling and normalisations on slabs (``spatial.parallelize``);
+4. **tensor** parallelism: column / row / shard per layer (``parallel.tensor``, DTensor);
+5. **activation checkpointing** of each top-level block;
+6. **data** parallelism over the ``dp x spatial`` ranks: DDP (sharding 0), FSDP2 ``fully_shard`` per block
+   and at the root (sharding 1 and 2 keep the gathered parameters from forward to backward, 3 frees them);
+7. the pipeline **schedule** (GPipe, 1F1B, interleaved 1F1B) over the stages.
+
+DDP cannot wrap DTensor parameters, so with tensor parallelism and sharding 0 the ``ParallelModel``
+all-reduces the gradients over ``dp x spatial`` itself after the backward: the same mean DDP takes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from hybridpar.errors import PlanError
+from hybridpar.mesh import AXES, build_mesh
+from hybridpar.parallel import pipeline
+from hybridpar.parallel.channels import _SplitConv, gather_parameter
+from hybridpar.parallel.data import flat_group, flat_mesh
+from hybridpar.parallel.tensor import Split, apply_splits, check_strategies
+from hybridpar.plan import graph_of
+from hybridpar.plan.graph import ModelGraph
+from hybridpar.plan.types import Plan
+
+WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                example_input: torch.Tensor | None = None) -> "ParallelModel":
+    """``model`` run as ``plan`` says over ``mesh`` (axes ``pp, dp, spatial, tp``; built from the plan if
+    ``None``). ``loss_fn(output, target)`` must be a mean over the samples. ``example_input`` (a tensor of
+    one step's global batch, or any batch) is what the model is analysed with; by default a tensor of
+    ``plan.input_shape``, of token ids for a model that starts with an ``nn.Embedding``. ``model`` is
+    consumed: use the returned model's ``full_state_dict()`` to read its weights."""
+    mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())
+    _check_mesh(plan, mesh)
+    graph = graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
+    splits = check_strategies(model, dict(plan.layers), graph, plan.tp) if plan.tp > 1 else {}
+    if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
+        raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
+    if plan.tp > 1 and math.prod(plan.spatial) > 1:
+        raise PlanError(f"spatial={plan.spatial} with tp={plan.tp}: spatial slabs and channel splits of the same "
+                        "layers are not combined yet; use spatial with dp and pp, or tp without spatial")
+    groups = _stage_groups(model, graph, plan)
+    names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    params = {name for name, _ in model.named_parameters()}
+    owners = _owners(model, names, groups, plan.pp)
+    pp_rank = mesh["pp"].get_local_rank()
+    held = pipeline.stages_of_rank(len(groups), plan.pp, pp_rank) if plan.pp > 1 else [0]
+    modules = {i: pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model for i in held}
+    manual_sync = False
+    for index, module in modules.items():
+        modules[index], manual = _build(module, plan, mesh, splits)
+        manual_sync = manual_sync or manual
+    schedule = None
+    if plan.pp > 1:
+        schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
+                                           mesh["pp"].get_group(), _device(mesh))
+    return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync)
+
+
+def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != AXES:
+        raise PlanError(f"mesh axes {names}: hybridpar.parallelize takes a mesh with axes {AXES} "
+                        "(hybridpar.mesh.build_mesh builds it)")
+    sizes = dict(zip(names, mesh.shape))
+    wanted = plan.dims.sizes()
+    if sizes != wanted:
+        raise PlanError(f"the mesh has {sizes} ranks per axis, but the plan ({plan.describe()}) needs {wanted}; "
+                        "build the mesh from the plan's degrees (hybridpar.mesh.build_mesh(plan.dims, world_size))")
+
+
+def _example(model: nn.Module, plan: Plan, example_input: torch.Tensor | None):
+    if example_input is not None:
+        return example_input
+    if not plan.input_shape:
+        raise PlanError("the plan has no input_shape; pass example_input= (one batch of the model's input)")
+    first = next((m for m in model.modules() if not list(m.children())), None)
+    dtype = torch.long if isinstance(first, nn.Embedding) else torch.float32
+    return torch.zeros(plan.input_shape, dtype=dtype)
+
+
+def _dtype_name(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return str(param.dtype).removeprefix("torch.") if param is not None else "float32"
+
+
+def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[str]]:
+    if plan.pp == 1:
+        if plan.stages:
+            raise PlanError(f"the plan lists stage boundaries {list(plan.stages)} but pp=1; set pp or drop stages")
+        return [[name for name, _ in pipeline.units(model)]]
+    batch = graph.input_shape[0] // plan.dp if plan.global_batch <= 1 else plan.global_batch // plan.dp
+    if batch % plan.micro_batches:
+        raise PlanError(f"a replica's batch of {batch} does not split into micro_batches={plan.micro_batches} "
+                        "equal micro-batches; use a batch that is a multiple of micro_batches")
+    return pipeline.stage_units(model, graph, plan.stages, plan.pp, plan.schedule)
+
+
+def _owners(model: nn.Module, names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
+    """The pp rank that holds each state-dict entry."""
+    stage_of = {unit: i for i, group in enumerate(groups) for unit in group}
+    out = {}
+    for name in names:
+        unit = next((u for u in stage_of if name.startswith(u + ".")), None)
+        if unit is None:
+            raise PlanError(f"{name!r} belongs to none of the model's top-level blocks; hybridpar.parallelize "
+                            "needs every parameter and buffer inside a block (a child module)")
+        out[name] = stage_of[unit] % pp
+    return out
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    return torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type,
+                                                                              torch.cuda.current_device())
+
+
+def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Split]) -> tuple[nn.Module, bool]:
+    """Steps 3-6 of the module doc on one module (the model, or one pipeline stage); also whether the
+    gradients need a manual all-reduce (tensor parallelism under sharding 0)."""
+    if math.prod(plan.spatial) > 1:
+        from hybridpar import spatial
+
+        module = spatial.parallelize(module, mesh["spatial"], grid=plan.spatial,
+                                     batch_norm_mesh=mesh["dp", "spatial"])
+    if splits:
+        module = apply_splits(module, splits, mesh["tp"])
+    blocks = [m for _, m in pipeline.units(module) if not isinstance(m, nn.Identity)]
+    if plan.checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        wrapped = {id(b) for b in blocks}
+        apply_activation_checkpointing(module, check_fn=lambda m: id(m) in wrapped)
+    if plan.dp * math.prod(plan.spatial) == 1:
+        return module, False
+    if plan.sharding:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = flat_mesh(mesh, ("dp", "spatial"))
+        for block in [m for _, m in pipeline.units(module) if not isinstance(m, nn.Identity)]:
+            if any(True for _ in block.parameters()):
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
+        return fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3), False
+    if splits:
+        return module, True
+    return DistributedDataParallel(module, process_group=flat_group(mesh, ("dp", "spatial"))), False
+
+
+class ParallelModel:
+    """A model parallelized by a plan: ``train_step`` runs one step's forward and backward (all
+    micro-batches), leaving the gradients on the local parameters for any torch optimizer."""
+
+    def __init__(self, modules: dict[int, nn.Module], schedule, plan: Plan, mesh: DeviceMesh, loss_fn,
+                 names: dict, params: set[str], owners: dict[str, int], manual_sync: bool):
+        self.modules, self.schedule, self.plan, self.mesh = modules, schedule, plan, mesh
+        self.loss_fn, self._manual_sync = loss_fn, manual_sync
+        self._names, self._params, self._owners = names, params, owners  # of the original model
+        self._num_stages = len(modules) * plan.pp if plan.pp > 1 else 1
+
+    @property
+    def module(self) -> nn.Module:
+        """The parallel module (without pipelining; with it, this rank's first stage)."""
+        return self.modules[min(self.modules)]
+
+    def parameters(self):
+        """This rank's parameters (local shards, DTensors where PyTorch's engines keep them so)."""
+        for module in self.modules.values():
+            yield from module.parameters()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one step on this replica's batch; returns its loss (the mean over its
+        micro-batches, the same on every rank of the replica). Gradients accumulate: zero them between
+        steps (``optimizer.zero_grad()``)."""
+        if self.schedule is None:
+            loss = self.loss_fn(self.module(inputs), targets)
+            loss.backward()
+            loss = loss.detach()
+        else:
+            loss = self._pipeline_step(inputs, targets)
+        if self._manual_sync:
+            self._all_reduce_gradients()
+        return loss
+
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        first, last = 0 in self.modules, self._num_stages - 1 in self.modules
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        self.schedule.step(*args, **kwargs)
+        dtype = next(d for _, d in self._names.values() if d.is_floating_point)
+        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=dtype)
+        group = self.mesh["pp"].get_group()
+        owner = (self._num_stages - 1) % self.plan.pp
+        dist.broadcast(loss, src=dist.get_global_rank(group, owner), group=group)
+        return loss
+
+    def _all_reduce_gradients(self) -> None:
+        group = flat_group(self.mesh, ("dp", "spatial"))
+        size = dist.get_world_size(group)
+        for param in self.parameters():
+            if param.grad is not None:
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                dist.all_reduce(grad, group=group)
+                grad.div_(size)
+
+    def gather_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient, keyed by the original model's names, on every rank (zeros
+        where a parameter got none). Collective over all ranks."""
+        return self._gather(grads=True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole, unsharded state dict (parameters and buffers), keyed by the original model's names,
+        on every rank. Collective over all ranks."""
+        return self._gather(grads=False)
+
+    def _gather(self, grads: bool) -> dict[str, torch.Tensor]:
+        local: dict[str, torch.Tensor] = {}
+        for module in self.modules.values():
+            local.update(_whole_tensors(module, grads))
+        group = self.mesh["pp"].get_group() if self.plan.pp > 1 else None
+        out = {}
+        for name, (shape, dtype) in self._names.items():
+            if grads and name not in self._params:
+                continue
+            mine = self.plan.pp == 1 or self._owners[name] == self.mesh["pp"].get_local_rank()
+            value = local.get(name)
+            if value is None and (grads or not mine):
+                value = torch.zeros(shape, dtype=dtype)  # no gradient, or another stage's: filled below
+            if group is not None:
+                value = value.contiguous()
+                dist.broadcast(value, src=dist.get_global_rank(group, self._owners[name]), group=group)
+            out[name] = value
+        return out
+
+
+def _whole_tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """Whole parameters (or their gradients) and buffers of ``module``, by their original names: DTensors
+    gathered, channel-split convolutions reassembled. Collective over the tp and dp ranks."""
+    out = {}
+    module = module.module if isinstance(module, DistributedDataParallel) else module
+    inner = {id(m.conv) for m in module.modules() if isinstance(m, _SplitConv)}
+    for prefix, sub in module.named_modules():
+        if id(sub) in inner:
+            continue  # its shards are named and gathered as the _SplitConv's
+        split = isinstance(sub, _SplitConv)
+        tensors = sub.local_parameters() if split else dict(sub.named_parameters(recurse=False))
+        if not grads:
+            tensors.update((n, b) for n, b in sub.named_buffers(recurse=False)
+                           if n not in sub._non_persistent_buffers_set)
+        for name, tensor in tensors.items():
+            value = None if tensor is None else tensor.grad if grads else tensor.detach()
+            if value is None:
+                continue
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if split:
+                value = gather_parameter(value, sub, name)
+            out[_original_name(f"{prefix}.{name}" if prefix else name)] = value
+    return out
+
+
+def _original_name(name: str) -> str:
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name

@@ -1,0 +1,148 @@
+"""``hybridpar.parallelize``: a plan turns an ordinary model into a tensor- x pipeline- x (sharded) data-parallel
+job; each combination against one process from the same weights and the same global batch (float64: the loss,
+every gradient via ``gather_gradients()``, one Adam step via ``full_state_dict()``)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+from hybridpar.errors import PlanError
+from hybridpar.mesh import AXES
+from hybridpar.models.gpt import gpt, lm_loss
+from hybridpar.parallel.apply import parallelize
+from hybridpar.parallel.tensor import pair_strategies
+from hybridpar.plan import graph_of
+from hybridpar.plan.types import Plan
+
+# float64: the parallel run sums the same products in other orders (split matmuls, micro-batch means, all-reduces)
+TOL = dict(rtol=1e-10, atol=1e-12)
+BATCH, T, VOCAB = 8, 8, 16
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return gpt(vocab_size=VOCAB, seq_len=T, num_layers=4, num_heads=4, d_model=16).double()
+
+
+def tokens():
+    g = torch.Generator().manual_seed(1)
+    window = torch.randint(0, VOCAB, (BATCH, T + 1), generator=g)
+    return window[:, :-1], window[:, 1:]
+
+
+def gpt_plan(**fields) -> Plan:
+    """A plan for ``tiny_gpt`` on this world; ``tp > 1`` splits the layers ``pair_strategies`` finds."""
+    tp = fields.get("tp", 1)
+    layers = ()
+    if tp > 1:
+        model, (idx, _) = tiny_gpt(), tokens()
+        layers = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=tp, model=model).items())
+    return Plan(global_batch=BATCH, input_shape=(BATCH, T), layers=layers, dtype="float64", **fields)
+
+
+def equivalence(fields: dict) -> float:
+    """One training step of ``tiny_gpt`` under the plan against one process; returns the loss."""
+    plan = gpt_plan(**fields)
+    model = tiny_gpt()
+    reference = copy.deepcopy(model)
+    idx, targets = tokens()
+    mesh = harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
+    parallel = parallelize(model, plan, mesh, loss_fn=lm_loss, example_input=idx)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in parallel.parameters())
+    whole = sum(p.numel() for p in reference.parameters())
+    assert local < whole if plan.tp * plan.pp > 1 or plan.sharding else local == whole  # really split
+    replica, per = mesh["dp"].get_local_rank(), BATCH // plan.dp
+    loss = parallel.train_step(idx[replica * per:(replica + 1) * per], targets[replica * per:(replica + 1) * per])
+    expected = lm_loss(reference(idx), targets)
+    expected.backward()
+    mean = loss.clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / dist.get_world_size(), expected.detach(), **TOL)  # replicas' mean loss
+    grads = parallel.gather_gradients()
+    assert set(grads) == {name for name, _ in reference.named_parameters()}
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, **TOL, msg=f"gradient of {name}")
+    for params in (parallel.parameters(), reference.parameters()):
+        torch.optim.Adam(params, lr=1e-2).step()
+    state = parallel.full_state_dict()
+    assert set(state) == set(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, **TOL, msg=f"{name} after one Adam step")
+    return loss.item()
+
+
+PP2 = ("blocks.2.ln_1",)
+PP4 = ("blocks.1.ln_1", "blocks.2.ln_1", "blocks.3.ln_1")
+CASES2 = {
+    "dp2": dict(dp=2),
+    "tp2": dict(tp=2),
+    "pp2-gpipe": dict(pp=2, stages=PP2, schedule="gpipe", micro_batches=4),
+    "pp2-1f1b": dict(pp=2, stages=PP2, schedule="1f1b", micro_batches=4),
+    "pp2-interleaved": dict(pp=2, stages=PP4, schedule="interleaved-1f1b", micro_batches=4),
+    "fsdp2": dict(dp=2, sharding=3),
+    "tp2-checkpointing": dict(tp=2, checkpointing=True),
+}
+CASES4 = {
+    "tp4": dict(tp=4),
+    "pp4-gpipe": dict(pp=4, stages=PP4, schedule="gpipe", micro_batches=4),
+    "pp4-1f1b": dict(pp=4, stages=PP4, schedule="1f1b", micro_batches=8),
+    "dp2-tp2": dict(dp=2, tp=2),
+    "fsdp2-tp2": dict(dp=2, tp=2, sharding=3),
+    "zero2-tp2": dict(dp=2, tp=2, sharding=2),
+    "tp2-pp2": dict(tp=2, pp=2, stages=PP2, micro_batches=2),
+    "fsdp2-pp2": dict(dp=2, pp=2, stages=PP2, micro_batches=2, sharding=3),
+}
+
+
+@pytest.mark.parametrize("case", CASES2)
+def test_two_ranks(dist2, case):
+    dist2.run(equivalence, fields=CASES2[case])
+
+
+@pytest.mark.parametrize("case", CASES4)
+def test_four_ranks(dist4, case):
+    dist4.run(equivalence, fields=CASES4[case])
+
+
+def refusals() -> list[str]:
+    """Plans that do not match the model: each refused before any communication, the model untouched."""
+    four_heads = dict(gpt_plan(tp=4).layers)
+    cases = [
+        (dict(tp=2, layers={"blocks.9.mlp.fc": "column"}), {}, "layer 'blocks.9.mlp.fc' is not in the model"),
+        (dict(tp=4, layers=four_heads), dict(num_heads=2),
+         "layer 'blocks.0.attn:scaled_dot_product_attention#0': 2 attention heads do not split into 4"),
+        (dict(tp=4, layers=four_heads), dict(head_major=False),
+         "reads query, key and value from one fused projection 'blocks.0.attn.qkv'"),
+        (dict(pp=4, schedule="interleaved-1f1b", stages=("blocks.0.ln_1",) * 7), {},
+         "8 pipeline stages, but GPT has 7 top-level blocks"),
+        (dict(pp=4, stages=("blocks.1.attn.qkv", "blocks.2.ln_1", "blocks.3.ln_1")), {},
+         "a stage cannot start at 'blocks.1.attn.qkv': stages start where a top-level block starts"),
+        (dict(pp=2, dp=2, stages=PP2, micro_batches=3), {}, "a replica's batch of 4 does not split into "
+         "micro_batches=3"),
+        (dict(pp=2, dp=2, stages=PP2, schedule="zero-bubble"), {}, "schedule = 'zero-bubble'"),
+    ]
+    mesh = harness.mesh((1, 1, 1, 4), AXES)
+    messages = []
+    for fields, change, match in cases:
+        layers = fields.pop("layers", {})
+        plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), layers=tuple(layers.items()), **fields)
+        model = gpt(vocab_size=VOCAB, seq_len=T, num_layers=4, num_heads=change.get("num_heads", 4), d_model=16)
+        model.blocks[0].attn.qkv_head_major = change.get("head_major", True)
+        before = copy.deepcopy(model.state_dict())
+        target = mesh if plan.world_size == 4 and plan.pp == 1 and plan.dp == 1 else None
+        target = target or harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
+        with pytest.raises(PlanError, match=match) as err:
+            parallelize(model, plan, target, loss_fn=lm_loss)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was changed
+        messages.append(str(err.value))
+    with pytest.raises(PlanError, match=r"the mesh has \{'pp': 1, 'dp': 1, 'spatial': 1, 'tp': 4\} ranks per axis"):
+        parallelize(tiny_gpt(), gpt_plan(dp=2, tp=2), mesh, loss_fn=lm_loss)
+    return messages
+
+
+def test_plans_that_do_not_match_the_model_fail_before_any_communication(dist4):
+    first, *others = dist4.run(refusals)
+    assert all(o == first for o in others)
