@@ -7,15 +7,18 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import harness
 from hybridpar.errors import PlanError
 from hybridpar.mesh import AXES
+from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import gpt, lm_loss
 from hybridpar.parallel.apply import parallelize
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import graph_of
 from hybridpar.plan.types import Plan
+from hybridpar.spatial import shard
 
 # float64: the parallel run sums the same products in other orders (split matmuls, micro-batch means, all-reduces)
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -49,14 +52,29 @@ def equivalence(fields: dict) -> float:
     model = tiny_gpt()
     reference = copy.deepcopy(model)
     idx, targets = tokens()
-    mesh = harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
-    parallel = parallelize(model, plan, mesh, loss_fn=lm_loss, example_input=idx)
+    parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
+    mine = replica_slice(parallel, BATCH)
+    loss = parallel.train_step(idx[mine], targets[mine])
+    return check_step(parallel, reference, loss, lm_loss(reference(idx), targets))
+
+
+def plan_mesh(plan: Plan):
+    return harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
+
+
+def replica_slice(parallel, batch: int) -> slice:
+    per = batch // parallel.plan.dp
+    replica = parallel.mesh["dp"].get_local_rank()
+    return slice(replica * per, (replica + 1) * per)
+
+
+def check_step(parallel, reference, loss: torch.Tensor, expected: torch.Tensor) -> float:
+    """The parallel step against one process's: the loss, every gradient, the parameters after one Adam
+    step; and that the plan really split the parameters it says it splits."""
+    plan = parallel.plan
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in parallel.parameters())
     whole = sum(p.numel() for p in reference.parameters())
     assert local < whole if plan.tp * plan.pp > 1 or plan.sharding else local == whole  # really split
-    replica, per = mesh["dp"].get_local_rank(), BATCH // plan.dp
-    loss = parallel.train_step(idx[replica * per:(replica + 1) * per], targets[replica * per:(replica + 1) * per])
-    expected = lm_loss(reference(idx), targets)
     expected.backward()
     mean = loss.clone()
     dist.all_reduce(mean)
@@ -72,6 +90,25 @@ def equivalence(fields: dict) -> float:
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, **TOL, msg=f"{name} after one Adam step")
     return loss.item()
+
+
+def cnn_equivalence(fields: dict) -> float:
+    """One step of a small CosmoFlow (two conv blocks on 32^3, global pooling, a dense head) against one process; spatial
+    ranks take their slab of each sample."""
+    torch.manual_seed(0)
+    model = cosmoflow(size=32, in_channels=2, base_channels=4, num_blocks=2, fc_sizes=(8,), num_outputs=2,
+                      pooling="average").double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 2, 32, 32, 32, dtype=torch.float64, generator=g), torch.randn(4, 2, dtype=torch.float64,
+                                                                                          generator=g)
+    layers = tuple(fields.pop("layers", {}).items())
+    plan = Plan(global_batch=4, input_shape=tuple(x.shape), layers=layers, dtype="float64", **fields)
+    parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=F.mse_loss, example_input=x)
+    mine = replica_slice(parallel, 4)
+    slab = shard(x[mine], parallel.mesh["spatial"], grid=plan.spatial) if plan.dims.num_spatial > 1 else x[mine]
+    loss = parallel.train_step(slab, y[mine])
+    return check_step(parallel, reference, loss, F.mse_loss(reference(x), y))
 
 
 PP2 = ("blocks.2.ln_1",)
@@ -95,6 +132,21 @@ CASES4 = {
     "tp2-pp2": dict(tp=2, pp=2, stages=PP2, micro_batches=2),
     "fsdp2-pp2": dict(dp=2, pp=2, stages=PP2, micro_batches=2, sharding=3),
 }
+
+
+FILTER_PAIR = {"features.0": "column", "features.1": "shard", "features.2": "shard", "features.3": "row"}
+CNN_CASES = {
+    "filter2": (2, dict(tp=2, layers=FILTER_PAIR)),
+    "spatial2-dp2": (4, dict(dp=2, spatial=(2, 1, 1))),
+    "pp2-spatial2": (4, dict(pp=2, spatial=(2, 1, 1), stages=("features.3",), micro_batches=2)),
+    "spatial2-filter2": (4, dict(spatial=(2, 1, 1), tp=2, layers=FILTER_PAIR)),
+}
+
+
+@pytest.mark.parametrize("case", CNN_CASES)
+def test_cnn(dist2, dist4, case):
+    world, fields = CNN_CASES[case]
+    (dist2 if world == 2 else dist4).run(cnn_equivalence, fields=fields)
 
 
 @pytest.mark.parametrize("case", CASES2)

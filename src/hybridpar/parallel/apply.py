@@ -7,8 +7,10 @@ The order (each step only where the plan asks for it):
    communication;
 2. **pipeline stages**: this rank's stage module(s), cut from the model's top-level blocks
    (``parallel.pipeline``); without pipelining, the model itself;
-3. **spatial** parallelism: convolutions, pooling and normalisations on slabs (``spatial.parallelize``);
-4. **tensor** parallelism: column / row / shard per layer (``parallel.tensor``, DTensor);
+3. **tensor** parallelism: column / row / shard per layer (``parallel.tensor``: DTensor for Linear and
+   Embedding layers, filter / channel splits for convolutions, which keep an ordinary conv of their channels);
+4. **spatial** parallelism: convolutions (split ones included), pooling and normalisations on slabs
+   (``spatial.parallelize``);
 5. **activation checkpointing** of each top-level block;
 6. **data** parallelism over the ``dp x spatial`` ranks: DDP (sharding 0), FSDP2 ``fully_shard`` per block
    and at the root (sharding 1 and 2 keep the gathered parameters from forward to backward, 3 frees them);
@@ -56,9 +58,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     splits = check_strategies(model, dict(plan.layers), graph, plan.tp) if plan.tp > 1 else {}
     if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
         raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
-    if plan.tp > 1 and math.prod(plan.spatial) > 1:
-        raise PlanError(f"spatial={plan.spatial} with tp={plan.tp}: spatial slabs and channel splits of the same "
-                        "layers are not combined yet; use spatial with dp and pp, or tp without spatial")
+    dense = [name for name in splits if isinstance(model.get_submodule(name), (nn.Linear, nn.Embedding))]
+    if dense and math.prod(plan.spatial) > 1:
+        raise PlanError(f"layer {dense[0]!r}: spatial={plan.spatial} combines with filter / channel splits of "
+                        "convolutions, not with tensor-parallel Linear or Embedding layers; replicate it")
     groups = _stage_groups(model, graph, plan)
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     params = {name for name, _ in model.named_parameters()}
@@ -137,13 +140,13 @@ def _device(mesh: DeviceMesh) -> torch.device:
 def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Split]) -> tuple[nn.Module, bool]:
     """Steps 3-6 of the module doc on one module (the model, or one pipeline stage); also whether the
     gradients need a manual all-reduce (tensor parallelism under sharding 0)."""
+    if splits:
+        module = apply_splits(module, splits, mesh["tp"])
     if math.prod(plan.spatial) > 1:
         from hybridpar import spatial
 
         module = spatial.parallelize(module, mesh["spatial"], grid=plan.spatial,
                                      batch_norm_mesh=mesh["dp", "spatial"])
-    if splits:
-        module = apply_splits(module, splits, mesh["tp"])
     blocks = [m for _, m in pipeline.units(module) if not isinstance(m, nn.Identity)]
     if plan.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing

@@ -35,7 +35,7 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return x[:]  # a view (channel indexing, which a spatial model's shape trace accepts)
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,9 +61,11 @@ class _ReduceFromGroup(torch.autograd.Function):
 
 
 def _all_gather_channels(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
-    if not x.is_meta:  # a meta tensor (a spatial model's shape trace) has only a shape to gather
-        dist.all_gather(parts, x.contiguous(), group=group)
+    size = dist.get_world_size(group)
+    if x.is_meta:  # a spatial model's shape trace: only the shape is gathered
+        return torch.cat([x] * size, dim=1)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
 
 
@@ -88,7 +90,8 @@ class _SliceToGroup(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         width = x.shape[1] // dist.get_world_size(group)
-        return x.narrow(1, dist.get_rank(group) * width, width)
+        start = dist.get_rank(group) * width
+        return x[:, start:start + width]
 
     @staticmethod
     def backward(ctx, grad):

@@ -199,6 +199,8 @@ def _meta_twin(module: nn.Module) -> nn.Module:
     for t in list(module.parameters()) + list(module.buffers()):
         meta = _meta_copy(t)
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    for m in module.modules():  # process groups (of channel-split convs) are shared, not copied
+        memo.update((id(v), v) for v in vars(m).values() if isinstance(v, dist.ProcessGroup))
     return copy.deepcopy(module, memo)
 
 
