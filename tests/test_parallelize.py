@@ -3,6 +3,7 @@ job; each combination against one process from the same weights and the same glo
 every gradient via ``gather_gradients()``, one Adam step via ``full_state_dict()``)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,9 +15,9 @@ from hybridpar.errors import PlanError
 from hybridpar.mesh import AXES
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import gpt, lm_loss
-from hybridpar.parallel.apply import parallelize
+from hybridpar import parallelize
 from hybridpar.parallel.tensor import pair_strategies
-from hybridpar.plan import graph_of
+from hybridpar.plan import cluster_of, graph_of, search_plans
 from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
 
@@ -132,6 +133,28 @@ CASES4 = {
     "tp2-pp2": dict(tp=2, pp=2, stages=PP2, micro_batches=2),
     "fsdp2-pp2": dict(dp=2, pp=2, stages=PP2, micro_batches=2, sharding=3),
 }
+
+
+def searched_equivalence(constraints: dict) -> tuple:
+    """The plan the search ranks first for a GPT wide enough to split (found on this world, as
+    ``plan = "auto"`` does) runs and matches one process; it is analysed from the plan's input shape."""
+    torch.manual_seed(0)
+    model = gpt(vocab_size=512, seq_len=64, num_layers=2, num_heads=4, d_model=256).double()
+    reference = copy.deepcopy(model)
+    window = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(1))
+    idx, targets = window[:, :-1], window[:, 1:]
+    cluster = dataclasses.replace(cluster_of("a100-80"), num_nodes=1, devices_per_node=dist.get_world_size())
+    plan = search_plans(model, idx, cluster, dtype="float64", **constraints).plans[0]
+    parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss)
+    mine = replica_slice(parallel, 4)
+    check_step(parallel, reference, parallel.train_step(idx[mine], targets[mine]), lm_loss(reference(idx), targets))
+    return plan.describe(), plan.stages, dict(plan.layers).get("blocks.0.attn.qkv")
+
+
+def test_searched_plans_run(dist2):
+    assert dist2.run(searched_equivalence, constraints=dict(tp=2))[0] == ("dp=1 tp=2", (), "column")
+    described, stages, _ = dist2.run(searched_equivalence, constraints=dict(pp=2))[0]
+    assert described.startswith("dp=1 pp=2") and stages == ("blocks.1.ln_1",)
 
 
 FILTER_PAIR = {"features.0": "column", "features.1": "shard", "features.2": "shard", "features.3": "row"}

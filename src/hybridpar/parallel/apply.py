@@ -38,7 +38,7 @@ from hybridpar.parallel.channels import _SplitConv, gather_parameter
 from hybridpar.parallel.data import flat_group, flat_mesh
 from hybridpar.parallel.tensor import Split, apply_splits, check_strategies
 from hybridpar.plan import graph_of
-from hybridpar.plan.graph import ModelGraph
+from hybridpar.plan.graph import ModelGraph, blocks
 from hybridpar.plan.types import Plan
 
 WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
@@ -111,12 +111,12 @@ def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[
     if plan.pp == 1:
         if plan.stages:
             raise PlanError(f"the plan lists stage boundaries {list(plan.stages)} but pp=1; set pp or drop stages")
-        return [[name for name, _ in pipeline.units(model)]]
+        return [list(graph.blocks)]
     batch = graph.input_shape[0] // plan.dp if plan.global_batch <= 1 else plan.global_batch // plan.dp
     if batch % plan.micro_batches:
         raise PlanError(f"a replica's batch of {batch} does not split into micro_batches={plan.micro_batches} "
                         "equal micro-batches; use a batch that is a multiple of micro_batches")
-    return pipeline.stage_units(model, graph, plan.stages, plan.pp, plan.schedule)
+    return pipeline.stage_units(graph, plan.stages, plan.pp, plan.schedule)
 
 
 def _owners(model: nn.Module, names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
@@ -147,11 +147,11 @@ def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Sp
 
         module = spatial.parallelize(module, mesh["spatial"], grid=plan.spatial,
                                      batch_norm_mesh=mesh["dp", "spatial"])
-    blocks = [m for _, m in pipeline.units(module) if not isinstance(m, nn.Identity)]
+    held = [m for _, m in blocks(module) if not isinstance(m, nn.Identity)]
     if plan.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-        wrapped = {id(b) for b in blocks}
+        wrapped = {id(b) for b in held}
         apply_activation_checkpointing(module, check_fn=lambda m: id(m) in wrapped)
     if plan.dp * math.prod(plan.spatial) == 1:
         return module, False
@@ -159,7 +159,7 @@ def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Sp
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = flat_mesh(mesh, ("dp", "spatial"))
-        for block in [m for _, m in pipeline.units(module) if not isinstance(m, nn.Identity)]:
+        for block in held:
             if any(True for _ in block.parameters()):
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
         return fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3), False

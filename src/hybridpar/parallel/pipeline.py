@@ -1,13 +1,14 @@
 """Pipeline parallelism on PyTorch's ``torch.distributed.pipelining``: stages cut from a model's top-level
 sequence of blocks, built by hand as ``PipelineStage``s, run by its GPipe, 1F1B or interleaved 1F1B schedule.
 
-A model pipelines if its forward is the composition of its *units* in order, each reading only the output
-of the one before: the top-level children, with an ``nn.Sequential`` or ``nn.ModuleList`` child expanded
-into its entries (a GPT: ``embed``, ``blocks.0`` ... ``blocks.N-1``, ``ln_f``, ``lm_head``; CosmoFlow: the
-layers of ``features`` and of ``head``). ``stage_units`` checks this on the layer graph (every layer belongs
-to a unit, and one tensor crosses each cut) before anything is built. A stage's module is a copy of the
-model in which every unit of other stages is an ``nn.Identity``: it runs the model's own forward, keeps the
-original parameter names, and holds only its own units' parameters.
+A model pipelines if its forward is the composition of its top-level *blocks* in order, each reading only
+the output of the one before (``hybridpar.plan.graph.blocks``: the top-level children, with an
+``nn.Sequential`` or ``nn.ModuleList`` child expanded into its entries; a GPT: ``embed``, ``blocks.0`` ...
+``blocks.N-1``, ``ln_f``, ``lm_head``; CosmoFlow: the layers of ``features`` and of ``head``).
+``stage_units`` checks this on the layer graph (every layer runs in a block, in order, and one tensor
+crosses each cut) before anything is built; the planner cuts only there too. A stage's module is a copy of
+the model in which every block of other stages is an ``nn.Identity``: it runs the model's own forward,
+keeps the original parameter names, and holds only its own blocks' parameters.
 
 With ``S`` stages on ``pp`` ranks, rank ``r`` of the pp axis holds stage ``r`` (GPipe, 1F1B: ``S = pp``) or
 stages ``r, r + pp, r + 2 pp, ...`` (interleaved 1F1B: ``S`` a multiple of ``pp``, at least ``2 pp``).
@@ -22,27 +23,14 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from hybridpar.errors import PlanError
-from hybridpar.plan.graph import ModelGraph
+from hybridpar.plan.graph import ModelGraph, blocks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 
-def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's top-level sequence: ``(name, module)`` of each top-level child, containers expanded."""
-    out = []
-    for name, child in model.named_children():
-        if isinstance(child, CONTAINERS):
-            out.extend((f"{name}.{n}", c) for n, c in child.named_children())
-        else:
-            out.append((name, child))
-    return out
-
-
-def stage_units(model: nn.Module, graph: ModelGraph, starts: tuple[str, ...], pp: int,
-                schedule: str) -> list[list[str]]:
-    """The unit names of each stage, for stages starting at the layers named in ``starts`` (the plan's
-    ``stages``: the first layer of each stage after the first); checked against the model and the graph."""
+def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: str) -> list[list[str]]:
+    """The block names of each stage, for stages starting at the layers named in ``starts`` (the plan's
+    ``stages``: the first layer of each stage after the first); checked against the graph."""
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule = {schedule!r}: use one of {', '.join(SCHEDULES)}")
     num_stages = len(starts) + 1
@@ -53,53 +41,36 @@ def stage_units(model: nn.Module, graph: ModelGraph, starts: tuple[str, ...], pp
     elif num_stages != pp:
         raise PlanError(f"pp={pp} with the {schedule} schedule needs {pp - 1} stage boundaries, but the plan "
                         f"lists {len(starts)}; use interleaved-1f1b for several stages per rank")
-    names = [name for name, _ in units(model)]
-    owner = _owners(graph, names)
-    first = {}
-    for layer in graph.layers:
-        first.setdefault(owner[layer.index], layer)
+    names = list(graph.blocks)
     if num_stages > len(names):
-        raise PlanError(f"{num_stages} pipeline stages, but {type(model).__name__} has {len(names)} top-level "
-                        f"blocks ({_some(names)}); use at most {len(names)} stages")
-    cuts = set(graph.cut_points)
+        raise PlanError(f"{num_stages} pipeline stages, but {graph.name} has {len(names)} top-level blocks "
+                        f"({_some(names)}); use at most {len(names)} stages")
+    if graph.unordered_layer is not None:
+        raise PlanError(f"layer {graph.unordered_layer.name!r} runs outside the top-level blocks of {graph.name} "
+                        f"in order ({_some(names)}), so the model cannot be cut into pipeline stages; write its "
+                        "forward as those blocks applied one after another (move that work into a block)")
+    firsts = {layer.name: layer.index for layer in graph.layers
+              if layer.index == 0 or graph.block_index[layer.index] != graph.block_index[layer.index - 1]}
     bounds = [0]
     for start in starts:
-        unit = next((u for u, layer in first.items() if layer.name == start), None)
-        if unit is None:
+        if start not in firsts:
             raise PlanError(f"a stage cannot start at {start!r}: stages start where a top-level block starts, "
-                            f"at one of {_some([first[u].name for u in names if u in first])}")
-        index = names.index(unit)
-        if first[unit].index - 1 not in cuts:
-            raise PlanError(f"a stage cannot start at {start!r} (block {unit!r}): more than one tensor crosses "
-                            "there; move the boundary to another block")
-        if index <= bounds[-1]:
+                            f"at one of {_some(list(firsts))}")
+        if firsts[start] not in graph.stage_starts:
+            raise PlanError(f"a stage cannot start at {start!r}: more than one tensor crosses there; move the "
+                            "boundary to another block")
+        block = graph.block_index[firsts[start]]
+        if block <= bounds[-1]:
             raise PlanError(f"stage boundaries {list(starts)} must be distinct and in the model's order")
-        bounds.append(index)
+        bounds.append(block)
     bounds.append(len(names))
     return [names[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def _owners(graph: ModelGraph, names: list[str]) -> list[str]:
-    """The unit of each layer; a ``PlanError`` naming a layer that belongs to none (work the forward does
-    outside its blocks) or that runs out of the blocks' order."""
-    out, order = [], {name: i for i, name in enumerate(names)}
-    latest = -1
-    for layer in graph.layers:
-        path = layer.name.partition(":")[0] if ":" in layer.name else ("" if "#" in layer.name else layer.name)
-        unit = next((u for u in names if path == u or path.startswith(u + ".")), None)
-        if unit is None or order[unit] < latest:
-            raise PlanError(f"layer {layer.name!r} runs outside the top-level blocks of {graph.name or 'the model'}"
-                            f" in order ({_some(names)}), so the model cannot be cut into pipeline stages; write "
-                            "its forward as those blocks applied one after another (move that work into a block)")
-        latest = order[unit]
-        out.append(unit)
-    return out
 
 
 def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
     """A copy of ``model`` with the units in ``keep`` and ``nn.Identity`` for every other unit (whose
     parameters are not copied)."""
-    others = {id(module): nn.Identity() for name, module in units(model) if name not in keep}
+    others = {id(module): nn.Identity() for name, module in blocks(model) if name not in keep}
     return copy.deepcopy(model, memo=others)
 
 

@@ -124,6 +124,7 @@ class ModelGraph:
     num_params: int
     consumers: tuple[tuple[int, ...], ...] = field(repr=False, default=())
     name: str = ""  # the model's class
+    blocks: tuple[str, ...] = ()  # the model's top-level sequence of blocks (see ``blocks``); () if unknown
 
     @property
     def batch(self) -> int:
@@ -168,6 +169,40 @@ class ModelGraph:
             out.append((start, end + 1, kinds.setdefault(key, len(kinds))))
             start = end + 1
         return tuple(out)
+
+    @cached_property
+    def block_index(self) -> tuple[int | None, ...]:
+        """For each layer, the index in ``blocks`` of the block it runs in (``None``: outside every block,
+        e.g. an operation in the model's own forward)."""
+        order = {name: i for i, name in enumerate(self.blocks)}
+        out = []
+        for layer in self.layers:
+            path = layer.name.partition(":")[0] if ":" in layer.name else ("" if "#" in layer.name else layer.name)
+            out.append(next((order[b] for b in self.blocks if path == b or path.startswith(b + ".")), None))
+        return tuple(out)
+
+    @cached_property
+    def unordered_layer(self) -> Layer | None:
+        """The first layer that runs outside the blocks or out of their order (then the model cannot be cut
+        into pipeline stages), or ``None``."""
+        latest = -1
+        for layer, block in zip(self.layers, self.block_index):
+            if block is None or block < latest:
+                return layer
+            latest = block
+        return None
+
+    @cached_property
+    def stage_starts(self) -> tuple[int, ...]:
+        """Layers a pipeline stage can start at (after the first): the first layer of a block, where exactly
+        one tensor crosses. A graph without ``blocks`` (built by hand) allows every cut point."""
+        if not self.blocks:
+            return tuple(i + 1 for i in self.cut_points)
+        if self.unordered_layer is not None:
+            return ()
+        cuts = set(self.cut_points)
+        return tuple(i for i in range(1, len(self.layers))
+                     if self.block_index[i] != self.block_index[i - 1] and i - 1 in cuts)
 
     @cached_property
     def cut_points(self) -> tuple[int, ...]:
@@ -430,7 +465,24 @@ def _graph(model: nn.Module, tracer: _Tracer, input_shape, x) -> ModelGraph:
     params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return ModelGraph(tuple(layers), input_shape, x.numel() * x.element_size(), param_bytes, params,
-                      tuple(tuple(c) for c in consumers), type(model).__name__)
+                      tuple(tuple(c) for c in consumers), type(model).__name__,
+                      tuple(name for name, _ in blocks(model)))
+
+
+CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's top-level sequence of blocks: ``(name, module)`` of each top-level child, with an
+    ``nn.Sequential`` or ``nn.ModuleList`` child expanded into its entries. A model pipelines if its forward
+    applies these one after another, each to the output of the one before."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, CONTAINERS):
+            out.extend((f"{name}.{n}", c) for n, c in child.named_children())
+        else:
+            out.append((name, child))
+    return out
 
 
 def _layer(r: dict, spatial_producers: set[int]) -> Layer:

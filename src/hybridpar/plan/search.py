@@ -205,8 +205,9 @@ def _setting(cluster, c, mesh, m, z, ckpt) -> StageSetting:
 
 
 def legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
-    """Layers a stage may start at: 0, and after each legal cut point whose activation is whole over tp."""
-    return [0] + [i + 1 for i in graph.cut_points if chain.layouts[i] == R]
+    """Layers a stage may start at: 0, and each of the graph's stage starts (a block's first layer, one
+    tensor crossing) where the activation that crosses is whole over tp."""
+    return [0] + [i for i in graph.stage_starts if chain.layouts[i - 1] == R]
 
 
 def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int, z: int, ckpt: bool,
