@@ -458,3 +458,30 @@ def test_gpt3_175b_analyses_on_the_meta_device():
 def test_plan_json_types_are_checked(text, message):
     with pytest.raises(PlanError, match=message):
         Plan.from_json(text, where="p.json")
+
+
+def test_pipeline_schedules_are_priced():
+    """GPipe holds every micro-batch's activations; interleaved 1F1B (two stages per rank) shrinks the bubble
+    and holds both of a rank's stages; a stage boundary inside a block is refused, as the runtime would."""
+    with torch.device("meta"):
+        model = gpt(num_layers=4, num_heads=8, d_model=1024, seq_len=512, vocab_size=512)  # compute-bound
+    g = graph_of(model, torch.zeros(8, 512, dtype=torch.long))
+    spec = small_cluster(2, per_node=2)
+    base = dict(pp=2, global_batch=8, micro_batches=4)
+    one = validate(Plan(**base, stages=("blocks.2.ln_1",)), g, spec).prediction
+    gpipe = validate(Plan(**base, stages=("blocks.2.ln_1",), schedule="gpipe"), g, spec).prediction
+    interleaved = validate(Plan(**base, stages=("blocks.1.ln_1", "blocks.2.ln_1", "blocks.3.ln_1"),
+                                schedule="interleaved-1f1b"), g, spec).prediction
+    assert gpipe.step_time == one.step_time and gpipe.memory["activations"] > one.memory["activations"]
+    assert interleaved.step_time < one.step_time
+    with pytest.raises(PlanError, match="interleaved-1f1b with pp=2 needs a multiple of 2 stages"):
+        validate(Plan(**base, stages=("blocks.1.ln_1", "blocks.2.ln_1"), schedule="interleaved-1f1b"), g, spec)
+    with pytest.raises(PlanError, match="a stage cannot start at layer 'blocks.1.attn.qkv'"):
+        validate(Plan(**base, stages=("blocks.1.attn.qkv",)), g, spec)
+
+
+def test_interleaved_time_reduces_to_1f1b():
+    from hybridpar.plan import cost
+
+    assert cost.interleaved_pipeline_time([1.0, 1.0], 4, 2) == cost.pipeline_time([1.0, 1.0], 4) == 5.0
+    assert cost.interleaved_pipeline_time([0.5] * 4, 4, 2) == pytest.approx(4.5)  # bubble halved

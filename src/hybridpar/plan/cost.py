@@ -146,9 +146,30 @@ def pipeline_time(stage_times: list[float], num_micro_batches: int) -> float:
     return (num_micro_batches - 1) * max(stage_times) + sum(stage_times)
 
 
-def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int) -> int:
-    """Activations stage ``stage`` holds at its peak under 1F1B: one per stage still to run forward."""
+def interleaved_pipeline_time(stage_times: list[float], num_micro_batches: int, pp: int) -> float:
+    """One step of interleaved 1F1B: ``v = len(stage_times) / pp`` stages per rank (stage ``k`` on rank
+    ``k % pp``), so each micro-batch visits every rank ``v`` times; the busiest rank works
+    ``m * T`` (``T``: its stages' time per micro-batch) plus a bubble ``v`` times smaller than 1F1B's,
+    ``(pp - 1) * T / v`` (Narayanan et al. 2021)."""
+    v = len(stage_times) // pp
+    busiest = max(sum(stage_times[r::pp]) for r in range(pp))
+    return (num_micro_batches + (pp - 1) / v) * busiest
+
+
+def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int, schedule: str = "1f1b") -> int:
+    """Activations stage ``stage`` holds at its peak: under GPipe all micro-batches' (every forward runs
+    before the first backward); under 1F1B (and per stage of interleaved 1F1B) one per stage still to run
+    forward."""
+    if schedule == "gpipe":
+        return num_micro_batches
     return min(num_micro_batches, num_stages - stage)
+
+
+def combined(memories: list["Memory"]) -> "Memory":
+    """The memory of one device that holds several stages (interleaved 1F1B): their sums, the reserve once."""
+    return Memory(*(sum(getattr(m, f) for m in memories) for f in ("parameters", "gradients", "optimizer",
+                                                                   "activations", "workspace")),
+                  max(m.reserved for m in memories))
 
 
 def optimizer_step_time(param_bytes: float, optimizer: str, cluster: ClusterSpec) -> float:

@@ -197,11 +197,11 @@ def _assemble(picks, forced) -> Chain:
 
 # --- whole candidates ------------------------------------------------------------------------------
 
-def _setting(cluster, c, mesh, m, z, ckpt) -> StageSetting:
+def _setting(cluster, c, mesh, m, z, ckpt, schedule: str = "1f1b", num_stages: int = 0) -> StageSetting:
     dp, grid, tp, pp = mesh
     s = math.prod(grid)
-    return StageSetting(cluster, pp, m, z, ckpt, c.optimizer, cost.Group.of(cluster, dp * s, tp),
-                        cost.Group.of(cluster, pp, dp * s * tp).link)
+    return StageSetting(cluster, num_stages or pp, m, z, ckpt, c.optimizer, cost.Group.of(cluster, dp * s, tp),
+                        cost.Group.of(cluster, pp, dp * s * tp).link, schedule)
 
 
 def legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
@@ -211,19 +211,27 @@ def legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
 
 
 def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int, z: int, ckpt: bool,
-          chain: Chain, cuts: tuple[int, ...], units: Units | None = None) -> tuple[float, list[cost.Memory], dict]:
-    """Step time, memory per stage and exposed communication by kind (with ``compute``, all on the
-    slowest stage) of one fully specified candidate; ``cuts`` are the layers that start stages 2..pp."""
+          chain: Chain, cuts: tuple[int, ...], units: Units | None = None,
+          schedule: str = "1f1b") -> tuple[float, list[cost.Memory], dict]:
+    """Step time, memory per pipeline rank and exposed communication by kind (with ``compute``, all on the
+    slowest stage) of one fully specified candidate; ``cuts`` are the layers that start stages 2..S (``S =
+    pp``, or a multiple of it under interleaved 1F1B, where rank ``r`` holds stages ``r, r + pp, ...``)."""
     units = units or Units.of(chain, legal_starts(graph, chain))
     starts = list(units.starts)
-    costs = StageCosts(units, _setting(cluster, c, mesh, m, z, ckpt))
+    costs = StageCosts(units, _setting(cluster, c, mesh, m, z, ckpt, schedule, len(cuts) + 1))
     index = [starts.index(b) for b in cuts]
     bounds = list(zip([0] + index, index + [len(units)]))
     times = [costs.stage_time(a, b) for a, b in bounds]
-    tails = [(costs.gradient_sync(a, b), costs.optimizer_step(a, b)) for a, b in bounds]
+    pp = mesh[3]
+    ranks = [bounds[r::pp] for r in range(pp)]  # the stages each pipeline rank holds
+    tails = [tuple(sum(f(a, b) for a, b in held) for f in (costs.gradient_sync, costs.optimizer_step))
+             for held in ranks]
     sync, update = max(tails, key=sum)
-    step = cost.pipeline_time(times, m) + sync + update
+    interleaved = len(bounds) > pp
+    step = (cost.interleaved_pipeline_time(times, m, pp) if interleaved else cost.pipeline_time(times, m)) + sync \
+        + update
     memory = [costs.memory(a, b, k) for k, (a, b) in enumerate(bounds)]
+    memory = [cost.combined(memory[r::pp]) for r in range(pp)] if interleaved else memory
     slowest = max(bounds, key=lambda ab: costs.stage_time(*ab))
     layers = (starts[slowest[0]], starts[slowest[1]] if slowest[1] < len(starts) else len(chain.options))
     comm = _communication(chain, costs, layers, costs.send(slowest[1]), m, sync)

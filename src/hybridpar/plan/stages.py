@@ -35,6 +35,7 @@ class StageSetting:
     optimizer: str
     data_group: cost.Group  # dp x spatial: gradients, ZeRO shards
     pipe_link: Link  # between consecutive stages
+    schedule: str = "1f1b"  # how many micro-batches' activations a stage holds (cost.micro_batches_in_flight)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class StageCosts:
         s = self.setting
         params, grads, state = cost.model_state_memory(self.params[b] - self.params[a], s.sharding,
                                                        s.data_group.size, s.optimizer)
-        in_flight = cost.micro_batches_in_flight(stage, s.num_stages, s.micro_batches)
+        in_flight = cost.micro_batches_in_flight(stage, s.num_stages, s.micro_batches, s.schedule)
         if s.checkpointing:
             activations = in_flight * (self.kept[b] - self.kept[a]) + self.unit_saved(a, b)
         else:

@@ -71,7 +71,7 @@ def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_hal
     chain = chain_of(graph, ctx, dict(plan.layers))
     cuts = _cuts(plan, graph, chain)
     step, memory, comm = price(graph, cluster, c, mesh, plan.micro_batches, plan.sharding, plan.checkpointing,
-                               chain, cuts)
+                               chain, cuts, schedule=plan.schedule)
     for stage, mem in enumerate(memory):
         if mem.total > cluster.device_memory:
             first = graph.layers[([0] + list(cuts))[stage]].name
