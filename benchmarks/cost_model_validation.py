@@ -150,14 +150,14 @@ def worker_env(num_procs: int, memory: bool = False) -> dict[str, str]:
 # -- one worker process ----------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     """Set VmHWM to the current resident set (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -201,7 +201,7 @@ def _step(model, optimizer, x, y, loss_fn) -> tuple[float, float, float]:
 
 
 def _measure(cfg: Config, num_warmup: int, num_steps: int) -> dict:
-    baseline_kib = _status_kib("VmRSS")  # imports and the process group, before the model
+    baseline_kib = status_kib("VmRSS")  # imports and the process group, before the model
     dims = ParallelDims(dp=cfg.dp, spatial=cfg.grid)
     mesh = build_mesh(dims, dist.get_world_size())
     model = build_net(cfg.net, cfg.size)
@@ -212,14 +212,14 @@ def _measure(cfg: Config, num_warmup: int, num_steps: int) -> dict:
     x, y = _batch(cfg, mesh)
     loss_fn = _loss(cfg, mesh)
     model.train()
-    built_kib = _status_kib("VmRSS")  # + mesh, model, DDP, optimizer (no state yet), batch
+    built_kib = status_kib("VmRSS")  # + mesh, model, DDP, optimizer (no state yet), batch
     phases = []
     for step in range(num_warmup + num_steps):
         if step == num_warmup:
-            steady_kib = _status_kib("VmRSS")  # + optimizer state, gradients, what the first steps kept
-            _reset_peak_rss()
+            steady_kib = status_kib("VmRSS")  # + optimizer state, gradients, what the first steps kept
+            reset_peak_rss()
         phases.append(_step(model, optimizer, x, y, loss_fn))
-    return {"phases": phases[num_warmup:], "peak_kib": _status_kib("VmHWM"), "baseline_kib": baseline_kib,
+    return {"phases": phases[num_warmup:], "peak_kib": status_kib("VmHWM"), "baseline_kib": baseline_kib,
             "built_kib": built_kib, "steady_kib": steady_kib, "threads": torch.get_num_threads()}
 
 
@@ -277,7 +277,7 @@ def calibrate(cluster_dir: Path, procs, recalibrate: bool, quick: bool) -> dict[
             start = time.perf_counter()
             env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | worker_env(n)
             subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-            _log(f"calibrated N={n}{' (quick)' if quick else ''}: {path} ({time.perf_counter() - start:.0f} s)")
+            log(f"calibrated N={n}{' (quick)' if quick else ''}: {path} ({time.perf_counter() - start:.0f} s)")
         paths[n] = path
     return paths
 
@@ -506,7 +506,7 @@ def to_json(args, meta, rows, groups, s) -> dict:
             "ranking": [{**g, "group": list(g["group"])} for g in groups], "summary": s}
 
 
-def _log(text: str) -> None:
+def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001 - a failed configuration is reported, the others still run
             row["error"] = f"{type(err).__name__}: {err}"
         rows.append(row)
-        _log(f"[{i + 1}/{len(todo)}] {cfg.net} {cfg.size}^3 N={cfg.num_procs} {cfg.strategy}: "
+        log(f"[{i + 1}/{len(todo)}] {cfg.net} {cfg.size}^3 N={cfg.num_procs} {cfg.strategy}: "
              f"{time.perf_counter() - start:.0f} s{' FAILED' if 'error' in row else ''}")
     groups = rank_groups(rows, searches)
     s = summary(rows, groups)

@@ -16,6 +16,7 @@ from hybridpar.mesh import AXES
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import gpt, lm_loss
 from hybridpar import parallelize
+from hybridpar.parallel import checkpoint
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import cluster_of, graph_of, search_plans
 from hybridpar.plan.types import Plan
@@ -26,8 +27,8 @@ TOL = dict(rtol=1e-10, atol=1e-12)
 BATCH, T, VOCAB = 8, 8, 16
 
 
-def tiny_gpt():
-    torch.manual_seed(0)
+def tiny_gpt(seed: int = 0):
+    torch.manual_seed(seed)
     return gpt(vocab_size=VOCAB, seq_len=T, num_layers=4, num_heads=4, d_model=16).double()
 
 
@@ -131,6 +132,8 @@ CASES4 = {
     "fsdp2-tp2": dict(dp=2, tp=2, sharding=3),
     "zero2-tp2": dict(dp=2, tp=2, sharding=2),
     "tp2-pp2": dict(tp=2, pp=2, stages=PP2, micro_batches=2),
+    "dp2-pp2-gpipe": dict(dp=2, pp=2, stages=PP2, micro_batches=2, schedule="gpipe"),
+    "dp2-pp2-interleaved": dict(dp=2, pp=2, stages=PP4, micro_batches=4, schedule="interleaved-1f1b"),
     "fsdp2-pp2": dict(dp=2, pp=2, stages=PP2, micro_batches=2, sharding=3),
 }
 
@@ -221,3 +224,63 @@ def refusals() -> list[str]:
 def test_plans_that_do_not_match_the_model_fail_before_any_communication(dist4):
     first, *others = dist4.run(refusals)
     assert all(o == first for o in others)
+
+
+def batch_of_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    window = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(100 + step))
+    return window[:, :-1], window[:, 1:]
+
+
+def train(parallel, optimizer, steps) -> list[float]:
+    """The global batch's loss of each step (the replicas' mean) on every rank."""
+    losses = []
+    for step in steps:
+        idx, targets = batch_of_step(step)
+        mine = replica_slice(parallel, BATCH)
+        optimizer.zero_grad()
+        loss = parallel.train_step(idx[mine], targets[mine])
+        optimizer.step()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / dist.get_world_size())
+    return losses
+
+
+def save_under(fields: dict, path: str) -> list[float]:
+    """Two Adam steps under the plan, then a checkpoint."""
+    plan = gpt_plan(**fields)
+    parallel = parallelize(tiny_gpt(), plan, plan_mesh(plan), loss_fn=lm_loss)
+    optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-2)
+    losses = train(parallel, optimizer, range(2))
+    checkpoint.save(parallel, optimizer, path)
+    return losses
+
+
+def resume_under(fields: dict, path: str) -> list[float]:
+    """Another plan (and world size), other initial weights: load the checkpoint, two more steps."""
+    plan = gpt_plan(**fields)
+    parallel = parallelize(tiny_gpt(seed=7), plan, plan_mesh(plan), loss_fn=lm_loss)
+    optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-2)
+    checkpoint.load(parallel, optimizer, path)
+    return train(parallel, optimizer, range(2, 4))
+
+
+def test_checkpoints_move_between_plans_and_world_sizes(dist2, dist4, tmp_path):
+    """Saved at dp=2 x tp=2; resumed at pp=2 x fsdp=2, and at tp=2 on 2 ranks: the losses after the resume
+    (the second one depends on Adam's moments too) are those of one uninterrupted process."""
+    model = tiny_gpt()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    expected = []
+    for step in range(4):
+        idx, targets = batch_of_step(step)
+        optimizer.zero_grad()
+        loss = lm_loss(model(idx), targets)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    path = str(tmp_path / "checkpoint")
+    assert dist4.run(save_under, fields=dict(dp=2, tp=2), path=path)[0] == pytest.approx(expected[:2], rel=1e-10)
+    for pool, fields in ((dist4, dict(pp=2, dp=2, sharding=3, stages=PP2, micro_batches=2)),
+                         (dist2, dict(tp=2)), (dist2, dict(pp=2, stages=PP2, micro_batches=4))):
+        resumed = pool.run(resume_under, fields=fields, path=path)
+        assert all(r == resumed[0] for r in resumed)
+        assert resumed[0] == pytest.approx(expected[2:], rel=1e-10), fields

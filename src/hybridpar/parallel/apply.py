@@ -16,8 +16,10 @@ The order (each step only where the plan asks for it):
    and at the root (sharding 1 and 2 keep the gathered parameters from forward to backward, 3 frees them);
 7. the pipeline **schedule** (GPipe, 1F1B, interleaved 1F1B) over the stages.
 
-DDP cannot wrap DTensor parameters, so with tensor parallelism and sharding 0 the ``ParallelModel``
-all-reduces the gradients over ``dp x spatial`` itself after the backward: the same mean DDP takes.
+DDP cannot wrap DTensor parameters, and its reducer fails on a stage that runs several micro-batches'
+forwards before their backwards (GPipe, interleaved 1F1B); so with tensor or pipeline parallelism and
+sharding 0 the ``ParallelModel`` all-reduces the gradients over ``dp x spatial`` itself after the step's
+backward: the same mean DDP takes, without its overlap of communication and backward.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Split]) -> tuple[nn.Module, bool]:
     """Steps 3-6 of the module doc on one module (the model, or one pipeline stage); also whether the
-    gradients need a manual all-reduce (tensor parallelism under sharding 0)."""
+    gradients need a manual all-reduce (tensor or pipeline parallelism under sharding 0)."""
     if splits:
         module = apply_splits(module, splits, mesh["tp"])
     if math.prod(plan.spatial) > 1:
@@ -163,7 +165,7 @@ def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Sp
             if any(True for _ in block.parameters()):
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
         return fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3), False
-    if splits:
+    if splits or plan.pp > 1:
         return module, True
     return DistributedDataParallel(module, process_group=flat_group(mesh, ("dp", "spatial"))), False
 
@@ -276,11 +278,11 @@ def _whole_tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             if split:
                 value = gather_parameter(value, sub, name)
-            out[_original_name(f"{prefix}.{name}" if prefix else name)] = value
+            out[original_name(f"{prefix}.{name}" if prefix else name)] = value
     return out
 
 
-def _original_name(name: str) -> str:
+def original_name(name: str) -> str:
     for part in WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
