@@ -170,5 +170,5 @@ def test_backward_gives_finite_gradients_everywhere():
         assert p.grad.abs().sum() > 0, name  # T = seq_len, so every position row is used too
 
 
-def test_not_a_training_model_yet():
-    assert "gpt" not in MODELS
+def test_a_training_model():
+    assert MODELS["gpt"] is gpt

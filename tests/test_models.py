@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import cases
 from hybridpar.errors import HybridparError
-from hybridpar.models import MODELS, CosmoFlow, UNet3D, cosmoflow, unet3d
+from hybridpar.models import MODELS, CosmoFlow, UNet3D, cosmoflow, gpt, unet3d
 from hybridpar.models.unet3d import NORMS
 
 
@@ -19,7 +19,7 @@ def _count(model: nn.Module, cls: type) -> int:
 
 
 def test_registry():
-    assert MODELS == {"cosmoflow": cosmoflow, "unet3d": unet3d}
+    assert MODELS == {"cosmoflow": cosmoflow, "unet3d": unet3d, "gpt": gpt}
     assert isinstance(MODELS["cosmoflow"](size=32, base_channels=1), CosmoFlow)
     assert isinstance(MODELS["unet3d"](base_channels=1), UNet3D)
 

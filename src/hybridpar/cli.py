@@ -128,9 +128,9 @@ def _train(args, console: Console) -> int:
     if result["val"]:
         console.print(f"final validation: {format_metrics(result['val'])}", highlight=False, soft_wrap=True)
     mib = [b / 2**20 for b in result["bytes_read_per_rank"]]
+    read = f"read per rank {', '.join(f'{m:.1f}' for m in mib)} MiB; " if mib else ""
     console.print(f"trained steps {result['start_step']}..{done} on {result['mesh']} in {result['time_s']:.1f} s; "
-                  f"read per rank {', '.join(f'{m:.1f}' for m in mib)} MiB; outputs in {config.run_dir}",
-                  highlight=False, soft_wrap=True)
+                  f"{read}outputs in {config.run_dir}", highlight=False, soft_wrap=True)
     return 0
 
 

@@ -56,18 +56,10 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     consumed: use the returned model's ``full_state_dict()`` to read its weights."""
     mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())
     _check_mesh(plan, mesh)
-    graph = graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
-    splits = check_strategies(model, dict(plan.layers), graph, plan.tp) if plan.tp > 1 else {}
-    if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
-        raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
-    dense = [name for name in splits if isinstance(model.get_submodule(name), (nn.Linear, nn.Embedding))]
-    if dense and math.prod(plan.spatial) > 1:
-        raise PlanError(f"layer {dense[0]!r}: spatial={plan.spatial} combines with filter / channel splits of "
-                        "convolutions, not with tensor-parallel Linear or Embedding layers; replicate it")
-    groups = _stage_groups(model, graph, plan)
+    splits, groups = check_plan(model, plan, example_input)
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     params = {name for name, _ in model.named_parameters()}
-    owners = _owners(model, names, groups, plan.pp)
+    owners = _owners(names, groups, plan.pp)
     pp_rank = mesh["pp"].get_local_rank()
     held = pipeline.stages_of_rank(len(groups), plan.pp, pp_rank) if plan.pp > 1 else [0]
     modules = {i: pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model for i in held}
@@ -80,6 +72,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
         schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
                                            mesh["pp"].get_group(), _device(mesh))
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync)
+
+
+def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None):
+    """Every check of ``plan`` against ``model`` that needs no process group (``model`` may live on the meta
+    device): ``(the tensor-parallel splits, the block names of each pipeline stage)``, or a ``PlanError``."""
+    graph = graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
+    splits = check_strategies(model, dict(plan.layers), graph, plan.tp) if plan.tp > 1 else {}
+    if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
+        raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
+    dense = [name for name in splits if isinstance(model.get_submodule(name), (nn.Linear, nn.Embedding))]
+    if dense and math.prod(plan.spatial) > 1:
+        raise PlanError(f"layer {dense[0]!r}: spatial={plan.spatial} combines with filter / channel splits of "
+                        "convolutions, not with tensor-parallel Linear or Embedding layers; replicate it")
+    return splits, _stage_groups(model, graph, plan)
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
@@ -121,8 +127,10 @@ def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[
     return pipeline.stage_units(graph, plan.stages, plan.pp, plan.schedule)
 
 
-def _owners(model: nn.Module, names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
+def _owners(names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
     """The pp rank that holds each state-dict entry."""
+    if pp == 1:
+        return dict.fromkeys(names, 0)
     stage_of = {unit: i for i, group in enumerate(groups) for unit in group}
     out = {}
     for name in names:
@@ -205,12 +213,26 @@ class ParallelModel:
             self._all_reduce_gradients()
         return loss
 
-    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of this replica's batch in evaluation mode (dropout off), forward only; the same on
+        every rank of the replica."""
+        for module in self.modules.values():
+            module.eval()
+        try:
+            if self.schedule is None:
+                with torch.no_grad():
+                    return self.loss_fn(self.module(inputs), targets).detach()
+            return self._pipeline_step(inputs, targets, self.schedule.eval)
+        finally:
+            for module in self.modules.values():
+                module.train()
+
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, run=None) -> torch.Tensor:
         first, last = 0 in self.modules, self._num_stages - 1 in self.modules
         losses: list[torch.Tensor] = []
         args = (inputs,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
-        self.schedule.step(*args, **kwargs)
+        (run or self.schedule.step)(*args, **kwargs)
         dtype = next(d for _, d in self._names.values() if d.is_floating_point)
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=dtype)
         group = self.mesh["pp"].get_group()

@@ -31,7 +31,7 @@ def save(parallel: ParallelModel, optimizer: torch.optim.Optimizer, path: str | 
 
 def load(parallel: ParallelModel, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
     """Read a checkpoint written by ``save`` under any plan into this job's shards (collective)."""
-    _init_state(optimizer)
+    init_optimizer_state(optimizer)
     dcp.load(state_dict(parallel, optimizer), checkpoint_id=str(path))
 
 
@@ -80,7 +80,7 @@ def _view(tensor: torch.Tensor, placement: Shard | None, mesh, key: str) -> torc
     return DTensor.from_local(tensor, mesh, [placement], run_check=False)
 
 
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer its state tensors (zeros), so that DCP has somewhere to read them into: one
     step with zero gradients and a zero learning rate (the parameters do not move)."""
     if all(p in optimizer.state for group in optimizer.param_groups for p in group["params"]):

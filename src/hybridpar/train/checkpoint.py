@@ -32,20 +32,32 @@ def checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _state(model, optimizer, step: int) -> dict:
+def due(done: int, every: int, stop: int, total: int) -> bool:
+    """Whether a periodic action (a checkpoint, a validation) is due after step ``done``: every ``every``
+    steps (0: never in between), and at the last step of the run or of this part of it."""
+    return (every > 0 and done % every == 0) or done == stop or done == total
+
+
+def _state(model, optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, "progress": {"step": torch.tensor(step)}}
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def save(directory: Path, step: int, model, optimizer, *, keep: int) -> Path:
-    """Write the checkpoint of ``step`` (collective over all ranks); keep the newest ``keep``."""
+    """Write the checkpoint of ``step`` of a model and its optimizer (collective over all ranks)."""
+    return save_state(directory, step, _state(model, optimizer), keep=keep)
+
+
+def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
+    """Write ``state`` (what DCP writes: tensors, DTensors) as the checkpoint of ``step`` (collective over
+    all ranks); keep the newest ``keep``."""
     final = directory / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, step), checkpoint_id=partial)
+    dcp.save(state | {"progress": {"step": torch.tensor(step)}}, checkpoint_id=partial)
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
@@ -59,7 +71,14 @@ def save(directory: Path, step: int, model, optimizer, *, keep: int) -> Path:
 
 def load(path: Path, model, optimizer) -> int:
     """Load a checkpoint into ``model`` and ``optimizer`` (collective); returns its step."""
-    state = _state(model, optimizer, 0)
-    dcp.load(state, checkpoint_id=path)
+    state = _state(model, optimizer)
+    step = load_state(path, state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["progress"]["step"])
+    return step
+
+
+def load_state(path: Path, state: dict) -> int:
+    """Read a checkpoint into the tensors of ``state``, in place (collective); returns its step."""
+    progress = {"step": torch.tensor(0)}
+    dcp.load(state | {"progress": progress}, checkpoint_id=path)
+    return int(progress["step"])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from hybridpar.errors import ConfigError
 
-MODEL_NAMES = ("cosmoflow", "unet3d")
-DATA_FORMATS = ("cosmoflow", "segmentation")
+MODEL_NAMES = ("cosmoflow", "unet3d", "gpt")
+DATA_FORMATS = ("cosmoflow", "segmentation", "tokens")
 
 
 @dataclass(frozen=True)
@@ -232,9 +232,29 @@ def _check_consistency(config: Config) -> None:
     if len(config.mesh.spatial) != 3 or min(config.mesh.spatial) < 1:
         raise ConfigError(f"mesh.spatial = {list(config.mesh.spatial)}: give 3 part counts >= 1 (D, H, W), "
                           f"e.g. [2, 1, 1]")
-    if not config.data.train:
+    if config.model.name == "gpt":
+        _check_language_model(config)
+    elif config.data.format == "tokens":
+        raise ConfigError(f"data.format = 'tokens' is the token task of model 'gpt', not of {config.model.name!r}; "
+                          "use cosmoflow or segmentation data")
+    elif not config.data.train:
         raise ConfigError("data.train is missing: a directory of HDF5 files or a glob")
     _check_model_options(config.model)
+
+
+def _check_language_model(config: Config) -> None:
+    """A GPT trains on the synthetic token task (``hybridpar.data.tokens``) for a number of steps."""
+    if config.data.format != "tokens":
+        raise ConfigError(f"model.name = 'gpt' with data.format = {config.data.format!r}: set data.format = "
+                          "\"tokens\" (the synthetic token task)")
+    if config.data.train or config.data.val:
+        raise ConfigError("data.train / data.val: the token task is synthetic (drawn from the seed); remove them")
+    if config.train.epochs:
+        raise ConfigError("train.epochs: the token task is an endless stream; give train.steps instead")
+    if tuple(config.mesh.spatial) != (1, 1, 1):
+        raise ConfigError(f"mesh.spatial = {list(config.mesh.spatial)}: a GPT has no volume to split; remove it")
+    if config.train.loss not in ("", "cross_entropy"):
+        raise ConfigError(f"train.loss = {config.train.loss!r} does not suit model 'gpt'; use 'cross_entropy'")
 
 
 PLAN_MESH_KEYS = ("dp", "spatial", "data_parallel")  # set by the plan when there is one
@@ -268,7 +288,14 @@ DERIVED = {"size", "in_channels", "num_outputs"}  # set by the trainer from the 
 
 
 def _check_model_options(model: ModelConfig) -> None:
-    params = inspect.signature(model_factory(model.name)).parameters
+    params = dict(inspect.signature(model_factory(model.name)).parameters)
+    if model.name == "gpt":  # gpt(preset="", **fields): the fields are GPTConfig's
+        from hybridpar.models.gpt import GPT_PRESETS, GPTConfig
+
+        params = {name: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+                  for name, f in GPTConfig.__dataclass_fields__.items()} | {"preset": params["preset"]}
+        if model.options.get("preset", "") not in ("", *GPT_PRESETS):
+            raise ConfigError(f"model.preset = {model.options['preset']!r}: use one of {', '.join(GPT_PRESETS)}")
     for key, value in model.options.items():
         if key in DERIVED:
             raise ConfigError(f"model.{key} is set from the data (the sample's shape and target); remove it")

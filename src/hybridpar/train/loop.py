@@ -124,7 +124,7 @@ class Run:
 
 
 class Checked(NamedTuple):
-    train_set: SlabDataset
+    train_set: SlabDataset | None  # None: a GPT's synthetic token task
     val_set: SlabDataset | None
     loss_name: str
     config: Config  # with the mesh of the plan, if the config has one
@@ -136,12 +136,17 @@ def check(config: Config, world_size: int) -> Checked:
     device), the plan (searched or read, for ``world_size`` processes), the split of the samples.
     ``hybridpar train`` runs them before starting workers, and every worker runs them again before any
     communication."""
+    if config.model.name == "gpt":
+        from hybridpar.train import lm
+
+        config, plan = lm.check(config, world_size)
+        return Checked(None, None, "cross_entropy", config, plan)
     train_set, val_set = datasets(config, DTYPES[config.train.dtype])
     loss_name = config.train.loss or DEFAULT_LOSS[config.model.name]
     _check_loss(config, loss_name)
     with torch.device("meta"):
         model = build_model(config, train_set)
-    config, plan = planning.apply(config, model, train_set.sample_shape, world_size)
+    config, plan = planning.apply(config, model, (config.train.batch_size, *train_set.sample_shape), world_size)
     Grid(config.mesh.spatial).check_shape(train_set.sample_shape[1:], "mesh.spatial")
     return Checked(train_set, val_set, loss_name, config, plan)
 
@@ -260,6 +265,10 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     """Train on this rank; returns the run's summary (on every rank)."""
     resume_from = prepare_run_dir(config, resume)
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
+    if config.model.name == "gpt":
+        from hybridpar.train import lm
+
+        return lm.train(config, resume_from, stop_after=stop_after, show=show)
     run = setup(config)
     config = run.config  # with the plan's mesh
     _check_same_data(run)
@@ -291,10 +300,10 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
             progress.advance(record)
             summary["loss"] = loss
             # the checkpoint first: a validation file that fails to read then loses no training
-            if _due(done, config.checkpoint.every, stop, run.total_steps):
+            if checkpoint.due(done, config.checkpoint.every, stop, run.total_steps):
                 summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.model,
                                                             run.optimizer, keep=config.checkpoint.keep))
-            if run.val_set is not None and _due(done, config.validation.every, stop, run.total_steps):
+            if run.val_set is not None and checkpoint.due(done, config.validation.every, stop, run.total_steps):
                 summary["val"] = validate(run)
                 log.log({"step": done, "split": "val", **summary["val"]})
                 progress.validated(done, summary["val"])
@@ -376,10 +385,6 @@ def _check_same_plan(config: Config, plan: Plan | None) -> None:
             raise ConfigError(f"rank {rank} took another mesh from plan = {config.plan!r} than rank 0 ({theirs} vs "
                               f"{everyone[0]}: dp, spatial, data_parallel); put the plan and cluster files where "
                               f"every rank reads the same ones")
-
-
-def _due(done: int, every: int, stop: int, total: int) -> bool:
-    return (every > 0 and done % every == 0) or done == stop or done == total
 
 
 def _gather(value: int) -> list[int]:

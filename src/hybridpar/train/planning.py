@@ -6,9 +6,10 @@ broadcasting rank 0's plan would put a collective before the checks (a mistake o
 then be a hang, not an error). ``hybridpar train`` on local workers runs it once more in the command,
 before starting them, so that a mistake (or no plan that fits) costs no worker start.
 
-The search is limited to what the runtime can apply: ``dp x spatial`` with DDP (sharding 0) or FSDP
-(sharding 3); no tensor or pipeline parallelism, ZeRO-1/2 or activation checkpointing yet. A plan file
-asking for one of those is refused, naming the field.
+The search is limited to what the runtime can apply. A GPT runs through ``hybridpar.parallelize``, which
+applies every plan: data, sharded data (ZeRO 1-3), tensor and pipeline parallelism, checkpointing. The
+volume models' loop applies ``dp x spatial`` with DDP (sharding 0) or FSDP (sharding 3) only; a plan file
+asking them for more is refused, naming the field.
 """
 
 from __future__ import annotations
@@ -32,19 +33,24 @@ PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar pla
 GiB = 2**30
 
 
-def apply(config: Config, model: nn.Module, sample_shape: tuple[int, ...],
-          world_size: int) -> tuple[Config, Plan | None]:
-    """``config`` with ``mesh.dp``, ``mesh.spatial`` and ``mesh.data_parallel`` taken from its plan
-    (searched, or read from the plan file and checked), and that plan; ``(config, None)`` without one.
-    ``model`` may live on the meta device; ``sample_shape`` is one sample's ``(C, D, H, W)``."""
+def apply(config: Config, model: nn.Module, example_input, world_size: int) -> tuple[Config, Plan | None]:
+    """``config`` with ``mesh.dp`` (and for the volume models ``mesh.spatial`` and ``mesh.data_parallel``)
+    taken from its plan (searched, or read from the plan file and checked), and that plan; ``(config,
+    None)`` without one. ``model`` may live on the meta device; ``example_input`` is one step's global batch
+    (a shape, or a tensor of token ids)."""
     if not config.plan:
         return config, None
-    batch = config.train.batch_size
-    graph = graph_of(model, (batch, *sample_shape), config.train.dtype)
+    graph = graph_of(model, example_input, config.train.dtype)
     plan = _search(config, graph, world_size) if config.plan == "auto" else _from_file(config, graph, world_size)
     plan = replace(plan, model=config.model.name)
+    if config.model.name == "gpt":
+        return replace(config, mesh=replace(config.mesh, dp=plan.dp)), plan
     mesh = replace(config.mesh, dp=plan.dp, spatial=plan.spatial, data_parallel=DATA_PARALLEL[plan.sharding])
     return replace(config, mesh=mesh), plan
+
+
+def _runtime_constraints(config: Config) -> dict:
+    return {} if config.model.name == "gpt" else RUNTIME_CONSTRAINTS
 
 
 def _cluster(config: Config, world_size: int):
@@ -59,8 +65,10 @@ def _search(config: Config, graph: ModelGraph, world_size: int) -> Plan:
     spec = _cluster(config, world_size)
     try:  # the runtime, not the user, limits the search: the no-fit message suggests devices or batch only
         return search_best(graph, None, spec, global_batch=config.train.batch_size, dtype=config.train.dtype,
-                           optimizer=config.optimizer.name, hints=("devices", "batch"), **RUNTIME_CONSTRAINTS)
+                           optimizer=config.optimizer.name, hints=("devices", "batch"), **_runtime_constraints(config))
     except PlanError as err:
+        if config.model.name == "gpt":
+            raise
         raise PlanError(f"{err}; training searches dp x spatial meshes with DDP or FSDP only") from None
 
 
@@ -104,7 +112,8 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
         plan.dims  # each degree a whole number >= 1
     except MeshError as err:
         raise PlanError(f"{where}: {err}") from None
-    check_runtime(plan, where)
+    if config.model.name != "gpt":
+        check_runtime(plan, where)
     if plan.world_size != world_size:
         raise PlanError(f"{where}: the plan ({plan.describe()}) needs {plan.world_size} processes, but the world "
                         f"size is {world_size}; run it on {plan.world_size} (--nproc {plan.world_size}, or torchrun "
@@ -147,7 +156,7 @@ def _for_config(plan: Plan, stated: set[str], config: Config, graph: ModelGraph,
     ndim = len(graph.input_shape) - 2
     spatial = plan.spatial
     if all(p == 1 for p in spatial):
-        spatial = (1,) * ndim
+        spatial = (1,) * max(ndim, 1)
     elif len(spatial) != ndim:
         raise PlanError(f"{where}: spatial = {list(spatial)}: give {ndim} part counts, one per spatial dim of the "
                         f"samples {tuple(graph.input_shape[1:])} (channels first)")
