@@ -49,6 +49,18 @@ def test_pairs_are_found_from_the_graph():
     assert pair_strategies(graph_of(Residual(), (2, 8)), tp=2) == {"head": "column"}  # fc's output meets x
 
 
+def test_overrides_set_what_the_rules_miss():
+    """A residual block the rules leave whole, split by a table of shell-style patterns (first match wins);
+    a pattern that matches nothing, or an unknown strategy, is refused."""
+    graph = graph_of(Residual(), (2, 8))
+    assert pair_strategies(graph, tp=2, overrides={"h*": "replicate", "fc": "column"}) == {"fc": "column"}
+    assert pair_strategies(graph, tp=2, overrides={"*": "replicate"}) == {}
+    with pytest.raises(PlanError, match="override 'blocks.*' matches no layer of Residual"):
+        pair_strategies(graph, tp=2, overrides={"blocks.*": "column"})
+    with pytest.raises(PlanError, match="override 'fc': strategy 'cols'"):
+        pair_strategies(graph, tp=2, overrides={"fc": "cols"})
+
+
 def mlp_equivalence(seed: int = 0) -> None:
     torch.manual_seed(seed)
     model = mlp().double()

@@ -17,8 +17,9 @@ shard       split -> split        a pointwise layer, pooling, or attention on th
 reaches exactly one layer of the same kind through pointwise layers (column, shard..., row); attention
 whose query, key and value come from Linear layers that only it reads and whose output reaches one
 Linear (column q/k/v, shard, row); the embeddings (row: vocabulary split); and the Linear that produces
-the model's output (column, gathered). ``tensor_parallel(model, strategies, mesh, graph)`` checks every
-layer and every edge between two layers before anything is split or exchanged (errors name the layer),
+the model's output (column, gathered); a table of overrides sets what the rules miss.
+``tensor_parallel(model, strategies, mesh, graph)`` checks every layer and every edge between two layers
+before anything is split or exchanged (errors name the layer),
 then applies the strategies: where a split output meets a layer that reads it whole, the column layer
 gathers its output; where a whole output meets a row layer, the row layer takes its slice.
 
@@ -30,6 +31,7 @@ hs)``), as a rank holds ``heads / tp`` of them.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,9 +52,32 @@ PASS_THROUGH = frozenset({"pointwise"})  # layers a column-split activation cros
 SHARD_KINDS = frozenset({"pointwise", "pool", "upsample", "attention"})  # exact on a channel / head split
 
 
-def pair_strategies(graph: ModelGraph, *, tp: int, model: nn.Module | None = None) -> dict[str, str]:
+def pair_strategies(graph: ModelGraph, *, tp: int, model: nn.Module | None = None,
+                    overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """``{layer name: strategy}`` by the rules of the module doc, for splits into ``tp`` parts that divide
-    evenly (others replicate). A fused q/k/v projection is split only if ``model`` says it is head-major."""
+    evenly (others replicate). A fused q/k/v projection is split only if ``model`` says it is head-major.
+    ``overrides`` (``{pattern: strategy}``, shell-style patterns of layer names, the first match wins) set the
+    layers the rules do not know, or differ on: ``{"blocks.*.moe.up": "column", "head": "replicate"}``."""
+    strategies = _found(graph, tp, model)
+    overrides = dict(overrides or {})
+    for pattern, strategy in overrides.items():
+        if strategy not in TP_STRATEGIES:
+            raise PlanError(f"tensor-parallel override {pattern!r}: strategy {strategy!r}; use one of "
+                            f"{', '.join(TP_STRATEGIES)}")
+    used = set()
+    for layer in graph.layers:
+        pattern = next((p for p in overrides if fnmatch.fnmatchcase(layer.name, p)), None)
+        if pattern is not None:
+            used.add(pattern)
+            strategies[layer.name] = overrides[pattern]
+    for pattern in overrides:
+        if pattern not in used:
+            raise PlanError(f"tensor-parallel override {pattern!r} matches no layer of {graph.name}; layers are "
+                            f"named as hybridpar.plan.graph_of gives them, e.g. {graph.layers[-1].name!r}")
+    return {name: s for name, s in strategies.items() if s != "replicate"}
+
+
+def _found(graph: ModelGraph, tp: int, model: nn.Module | None) -> dict[str, str]:
     consumers = dict(enumerate(graph.consumers))
     strategies: dict[str, str] = {}
     for layer in graph.layers:
