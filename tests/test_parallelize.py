@@ -201,6 +201,9 @@ def refusals() -> list[str]:
         (dict(pp=2, dp=2, stages=PP2, micro_batches=3), {}, "a replica's batch of 4 does not split into "
          "micro_batches=3"),
         (dict(pp=2, dp=2, stages=PP2, schedule="zero-bubble"), {}, "schedule = 'zero-bubble'"),
+        (dict(pp=4, stages=PP4, micro_batches=2), {}, "1F1B over 4 stages needs at least 4"),
+        (dict(dp=4, micro_batches=2), {}, "micro_batches = 2: use 1 without pipeline stages"),
+        (dict(dp=4, sharding=5), {}, r"sharding = 5: use 0 \(DDP\), 1, 2 or 3"),
     ]
     mesh = harness.mesh((1, 1, 1, 4), AXES)
     messages = []

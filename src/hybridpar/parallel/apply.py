@@ -41,7 +41,7 @@ from hybridpar.parallel.data import flat_group, flat_mesh
 from hybridpar.parallel.tensor import Split, apply_splits, check_strategies
 from hybridpar.plan import graph_of
 from hybridpar.plan.graph import ModelGraph, blocks
-from hybridpar.plan.types import Plan
+from hybridpar.plan.types import SHARDING_NAMES, Plan
 
 WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
 
@@ -62,7 +62,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     owners = _owners(names, groups, plan.pp)
     pp_rank = mesh["pp"].get_local_rank()
     held = pipeline.stages_of_rank(len(groups), plan.pp, pp_rank) if plan.pp > 1 else [0]
-    modules = {i: pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model for i in held}
+    device = _device(mesh)
+    modules = {i: (pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model).to(device) for i in held}
     manual_sync = False
     for index, module in modules.items():
         modules[index], manual = _build(module, plan, mesh, splits)
@@ -70,18 +71,26 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     schedule = None
     if plan.pp > 1:
         schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
-                                           mesh["pp"].get_group(), _device(mesh))
+                                           mesh["pp"].get_group(), device)
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync)
 
 
 def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None):
     """Every check of ``plan`` against ``model`` that needs no process group (``model`` may live on the meta
     device): ``(the tensor-parallel splits, the block names of each pipeline stage)``, or a ``PlanError``."""
+    if plan.sharding not in SHARDING_NAMES:
+        raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
+    if plan.pp == 1 and plan.micro_batches != 1:
+        raise PlanError(f"micro_batches = {plan.micro_batches}: use 1 without pipeline stages (pp=1)")
     graph = graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
     splits = check_strategies(model, dict(plan.layers), graph, plan.tp) if plan.tp > 1 else {}
+    convs = [name for name, split in splits.items() if split.kind == "conv" and split.strategy in ("column", "row")]
+    if convs and plan.sharding and math.prod(plan.spatial) * plan.dp > 1:
+        raise PlanError(f"layer {convs[0]!r}: a channel-split convolution with sharding {plan.sharding} (FSDP) "
+                        "is not supported yet; use sharding 0 (DDP) with filter / channel splits")
     if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
         raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
-    dense = [name for name in splits if isinstance(model.get_submodule(name), (nn.Linear, nn.Embedding))]
+    dense = [name for name, split in splits.items() if split.kind in ("linear", "embedding")]
     if dense and math.prod(plan.spatial) > 1:
         raise PlanError(f"layer {dense[0]!r}: spatial={plan.spatial} combines with filter / channel splits of "
                         "convolutions, not with tensor-parallel Linear or Embedding layers; replicate it")
@@ -124,7 +133,9 @@ def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[
     if batch % plan.micro_batches:
         raise PlanError(f"a replica's batch of {batch} does not split into micro_batches={plan.micro_batches} "
                         "equal micro-batches; use a batch that is a multiple of micro_batches")
-    return pipeline.stage_units(graph, plan.stages, plan.pp, plan.schedule)
+    groups = pipeline.stage_units(graph, plan.stages, plan.pp, plan.schedule)
+    pipeline.check_micro_batches(plan.micro_batches, len(groups), plan.pp, plan.schedule)
+    return groups
 
 
 def _owners(names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
@@ -188,6 +199,7 @@ class ParallelModel:
         self.loss_fn, self._manual_sync = loss_fn, manual_sync
         self._names, self._params, self._owners = names, params, owners  # of the original model
         self._num_stages = len(modules) * plan.pp if plan.pp > 1 else 1
+        self.device = _device(mesh)
 
     @property
     def module(self) -> nn.Module:
@@ -203,6 +215,7 @@ class ParallelModel:
         """Forward and backward of one step on this replica's batch; returns its loss (the mean over its
         micro-batches, the same on every rank of the replica). Gradients accumulate: zero them between
         steps (``optimizer.zero_grad()``)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
         if self.schedule is None:
             loss = self.loss_fn(self.module(inputs), targets)
             loss.backward()
@@ -216,6 +229,8 @@ class ParallelModel:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this replica's batch in evaluation mode (dropout off), forward only; the same on
         every rank of the replica."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        modes = [(m, m.training) for module in self.modules.values() for m in module.modules()]
         for module in self.modules.values():
             module.eval()
         try:
@@ -224,17 +239,32 @@ class ParallelModel:
                     return self.loss_fn(self.module(inputs), targets).detach()
             return self._pipeline_step(inputs, targets, self.schedule.eval)
         finally:
-            for module in self.modules.values():
-                module.train()
+            for m, training in modes:
+                m.training = training
+            self._reshard()
+
+    def _reshard(self) -> None:
+        """Free the parameters FSDP gathered for a forward without a backward (sharding 1 and 2 keep them
+        from forward to backward), so that the model holds its shards again (for ``state_dict``, memory)."""
+        if not self.plan.sharding:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.modules.values():
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, run=None) -> torch.Tensor:
         first, last = 0 in self.modules, self._num_stages - 1 in self.modules
         losses: list[torch.Tensor] = []
         args = (inputs,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
-        (run or self.schedule.step)(*args, **kwargs)
+        (run or self.schedule.step)(*args, return_outputs=False, **kwargs)  # the losses are all we need
+        # in the model's dtype on every rank, whatever the loss function returns: one size for the broadcast
         dtype = next(d for _, d in self._names.values() if d.is_floating_point)
-        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), dtype=dtype)
+        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        loss = loss.to(dtype)
         group = self.mesh["pp"].get_group()
         owner = (self._num_stages - 1) % self.plan.pp
         dist.broadcast(loss, src=dist.get_global_rank(group, owner), group=group)
@@ -271,7 +301,7 @@ class ParallelModel:
             mine = self.plan.pp == 1 or self._owners[name] == self.mesh["pp"].get_local_rank()
             value = local.get(name)
             if value is None and (grads or not mine):
-                value = torch.zeros(shape, dtype=dtype)  # no gradient, or another stage's: filled below
+                value = torch.zeros(shape, dtype=dtype, device=self.device)  # none, or another stage's: filled below
             if group is not None:
                 value = value.contiguous()
                 dist.broadcast(value, src=dist.get_global_rank(group, self._owners[name]), group=group)
@@ -279,28 +309,35 @@ class ParallelModel:
         return out
 
 
-def _whole_tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
-    """Whole parameters (or their gradients) and buffers of ``module``, by their original names: DTensors
-    gathered, channel-split convolutions reassembled. Collective over the tp and dp ranks."""
-    out = {}
+def local_tensors(module: nn.Module, buffers: bool = True):
+    """``(original name, tensor, split conv or None, its parameter name)`` for each parameter (and persistent
+    buffer) of a parallel ``module``: through DDP and checkpoint wrappers, a channel-split conv's shards under
+    the original conv's names."""
     module = module.module if isinstance(module, DistributedDataParallel) else module
     inner = {id(m.conv) for m in module.modules() if isinstance(m, _SplitConv)}
     for prefix, sub in module.named_modules():
         if id(sub) in inner:
-            continue  # its shards are named and gathered as the _SplitConv's
-        split = isinstance(sub, _SplitConv)
+            continue  # its shards are named as the _SplitConv's
+        split = sub if isinstance(sub, _SplitConv) else None
         tensors = sub.local_parameters() if split else dict(sub.named_parameters(recurse=False))
-        if not grads:
+        if buffers:
             tensors.update((n, b) for n, b in sub.named_buffers(recurse=False)
                            if n not in sub._non_persistent_buffers_set)
         for name, tensor in tensors.items():
-            value = None if tensor is None else tensor.grad if grads else tensor.detach()
-            if value is None:
-                continue
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            if split:
-                value = gather_parameter(value, sub, name)
-            out[original_name(f"{prefix}.{name}" if prefix else name)] = value
+            if tensor is not None:
+                yield original_name(f"{prefix}.{name}" if prefix else name), tensor, split, name
+
+
+def _whole_tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """Whole parameters (or their gradients) and buffers of ``module``, by their original names: DTensors
+    gathered, channel-split convolutions reassembled. Collective over the tp and dp ranks."""
+    out = {}
+    for key, tensor, split, name in local_tensors(module, buffers=not grads):
+        value = tensor.grad if grads else tensor.detach()
+        if value is None:
+            continue
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[key] = gather_parameter(value, split, name) if split else value
     return out
 
 

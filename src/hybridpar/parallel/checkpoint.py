@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.parallel import DistributedDataParallel
 
-from hybridpar.errors import PlanError
-from hybridpar.parallel.apply import ParallelModel, original_name
+from hybridpar.parallel.apply import ParallelModel, local_tensors
 from hybridpar.parallel.channels import _SplitConv
 
 
@@ -42,25 +41,15 @@ def state_dict(parallel: ParallelModel, optimizer: torch.optim.Optimizer) -> dic
     model, optim = {}, {}
     tp_mesh = parallel.mesh["tp"]
     for module in parallel.modules.values():
-        module = module.module if isinstance(module, DistributedDataParallel) else module
-        inner = {id(m.conv) for m in module.modules() if isinstance(m, _SplitConv)}
-        for prefix, sub in module.named_modules():
-            if id(sub) in inner:
+        for key, tensor, split, name in local_tensors(module):
+            if not isinstance(tensor, nn.Parameter):
+                model[key] = tensor  # a buffer
                 continue
-            split = isinstance(sub, _SplitConv)
-            params = sub.local_parameters() if split else dict(sub.named_parameters(recurse=False))
-            for name, param in params.items():
-                if param is None:
-                    continue
-                key = original_name(f"{prefix}.{name}" if prefix else name)
-                placement = _conv_placement(sub, name) if split else None
-                model[key] = _view(param.detach(), placement, tp_mesh, key)
-                state = optimizer.state.get(param, {})
-                optim[key] = {k: _view(v, placement if v.shape == param.shape else None, tp_mesh, key)
-                              for k, v in state.items() if isinstance(v, torch.Tensor)}
-            for name, buffer in sub.named_buffers(recurse=False):
-                if name not in sub._non_persistent_buffers_set:
-                    model[original_name(f"{prefix}.{name}" if prefix else name)] = buffer
+            placement = _conv_placement(split, name) if split else None
+            model[key] = _view(tensor.detach(), placement, tp_mesh)
+            state = optimizer.state.get(tensor, {})
+            optim[key] = {k: _view(v, placement if v.shape == tensor.shape else None, tp_mesh)
+                          for k, v in state.items() if isinstance(v, torch.Tensor)}
     return {"model": model, "optimizer": optim}
 
 
@@ -70,13 +59,11 @@ def _conv_placement(conv: _SplitConv, name: str) -> Shard | None:
     return Shard(conv.split_dim if name == "weight" else 0)
 
 
-def _view(tensor: torch.Tensor, placement: Shard | None, mesh, key: str) -> torch.Tensor:
-    """``tensor`` as DCP should see it: a channel shard as a DTensor over the tp ranks (sharing memory)."""
+def _view(tensor: torch.Tensor, placement: Shard | None, mesh) -> torch.Tensor:
+    """``tensor`` as DCP should see it: a channel shard as a DTensor over the tp ranks (sharing memory).
+    (``hybridpar.parallelize`` refuses channel splits under FSDP, whose shards would be DTensors already.)"""
     if placement is None:
         return tensor
-    if isinstance(tensor, DTensor):
-        raise PlanError(f"{key!r}: a channel-split convolution under FSDP cannot be checkpointed yet; use "
-                        "sharding 0-2 with filter / channel splits")
     return DTensor.from_local(tensor, mesh, [placement], run_check=False)
 
 

@@ -24,8 +24,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from hybridpar.errors import PlanError
 from hybridpar.plan.graph import ModelGraph, blocks
+from hybridpar.plan.types import SCHEDULES as PLAN_SCHEDULES
+from hybridpar.plan.validate import some
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = dict(zip(PLAN_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
 
 
 def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: str) -> list[list[str]]:
@@ -44,10 +46,10 @@ def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: s
     names = list(graph.blocks)
     if num_stages > len(names):
         raise PlanError(f"{num_stages} pipeline stages, but {graph.name} has {len(names)} top-level blocks "
-                        f"({_some(names)}); use at most {len(names)} stages")
+                        f"({some(names)}); use at most {len(names)} stages")
     if graph.unordered_layer is not None:
         raise PlanError(f"layer {graph.unordered_layer.name!r} runs outside the top-level blocks of {graph.name} "
-                        f"in order ({_some(names)}), so the model cannot be cut into pipeline stages; write its "
+                        f"in order ({some(names)}), so the model cannot be cut into pipeline stages; write its "
                         "forward as those blocks applied one after another (move that work into a block)")
     firsts = {layer.name: layer.index for layer in graph.layers
               if layer.index == 0 or graph.block_index[layer.index] != graph.block_index[layer.index - 1]}
@@ -55,7 +57,7 @@ def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: s
     for start in starts:
         if start not in firsts:
             raise PlanError(f"a stage cannot start at {start!r}: stages start where a top-level block starts, "
-                            f"at one of {_some(list(firsts))}")
+                            f"at one of {some(list(firsts))}")
         if firsts[start] not in graph.stage_starts:
             raise PlanError(f"a stage cannot start at {start!r}: more than one tensor crosses there; move the "
                             "boundary to another block")
@@ -65,6 +67,18 @@ def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: s
         bounds.append(block)
     bounds.append(len(names))
     return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def check_micro_batches(micro_batches: int, num_stages: int, pp: int, schedule: str) -> None:
+    """The micro-batch counts PyTorch's schedules take: 1F1B at least one per stage; interleaved 1F1B a
+    multiple of its rounds (``max(1, m // pp)``)."""
+    if schedule == "1f1b" and micro_batches < num_stages:
+        raise PlanError(f"micro_batches = {micro_batches}: 1F1B over {num_stages} stages needs at least "
+                        f"{num_stages}; use more micro-batches, or the gpipe schedule")
+    rounds = max(1, micro_batches // pp)
+    if schedule == "interleaved-1f1b" and micro_batches % rounds:
+        raise PlanError(f"micro_batches = {micro_batches}: interleaved 1F1B with pp={pp} needs a multiple of "
+                        f"{rounds}; use a multiple of {pp}")
 
 
 def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
@@ -86,7 +100,3 @@ def build_schedule(modules: dict[int, nn.Module], num_stages: int, schedule: str
     if schedule == "interleaved-1f1b":
         return SCHEDULES[schedule](stages, micro_batches, loss_fn=loss_fn)
     return SCHEDULES[schedule](stages[0], micro_batches, loss_fn=loss_fn)
-
-
-def _some(names: list[str], limit: int = 8) -> str:
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")

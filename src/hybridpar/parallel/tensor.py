@@ -158,6 +158,7 @@ class Split:
     strategy: str
     gather_output: bool = False  # a column layer whose readers need its output whole
     slice_input: bool = False  # a row layer fed a whole tensor
+    kind: str = "linear"  # linear, embedding, conv, or op (a shard layer: nothing to split)
 
 
 def tensor_parallel(model: nn.Module, strategies: Mapping[str, str], mesh: DeviceMesh,
@@ -173,10 +174,12 @@ def apply_splits(model: nn.Module, splits: Mapping[str, Split], mesh: DeviceMesh
     styles, convs = {}, {}
     for name, split in splits.items():
         module = _held(model, name)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            styles[name] = _style(split, isinstance(module, nn.Embedding))
-        elif module is not None and split.strategy in ("column", "row"):
+        if module is None or split.strategy not in ("column", "row"):
+            continue
+        if split.kind == "conv":
             convs[name] = (module, split)
+        else:
+            styles[name] = _style(split, split.kind == "embedding")
     group = mesh.get_group()
     for name, (module, split) in convs.items():
         parent, _, child = name.rpartition(".")
@@ -223,8 +226,15 @@ def check_strategies(model: nn.Module, strategies: Mapping[str, str], graph: Mod
         _check_layer(model, graph, layer, module, strategy, tp)
         edges = _edges(graph, layer, wanted)
         if module is not None:
-            splits[layer.name] = Split(strategy, *edges)
+            splits[layer.name] = Split(strategy, *edges, kind=_kind(module))
     return splits
+
+
+def _kind(module: nn.Module | None) -> str:
+    """What ``apply_splits`` makes of a module: exact types only (a subclass may compute otherwise)."""
+    if type(module) in CONVS:
+        return "conv"
+    return {nn.Linear: "linear", nn.Embedding: "embedding"}.get(type(module), "op")
 
 
 def _module(model: nn.Module, name: str) -> nn.Module | None:
@@ -244,9 +254,12 @@ def _check_layer(model: nn.Module, graph: ModelGraph, layer: Layer, module: nn.M
         if layer.kind == "attention":
             _check_attention(model, graph, layer, tp)
         return
-    if not isinstance(module, (nn.Linear, nn.Embedding, *CONVS)):
+    if _kind(module) == "op":
         raise PlanError(f"layer {name!r} ({layer.op}) cannot be split {strategy}-wise; tensor parallelism splits "
                         "nn.Linear, nn.Embedding and Conv1d/2d/3d layers")
+    if isinstance(module, CONVS) and module.groups != 1:
+        raise PlanError(f"layer {name!r}: a conv with groups={module.groups} cannot be split by channels (each "
+                        "group already sees only its own channels); replicate it")
     if isinstance(module, nn.Embedding):
         field, size = ("num_embeddings", module.num_embeddings) if strategy == "row" else \
             ("embedding_dim", module.embedding_dim)
@@ -266,7 +279,7 @@ def _check_attention(model: nn.Module, graph: ModelGraph, layer: Layer, tp: int)
         raise PlanError(f"layer {layer.name!r}: {layer.heads} attention heads do not split into {tp}; use a "
                         f"tensor-parallel degree that divides {layer.heads}, or replicate the attention")
     producers = set(layer.inputs) - {INPUT}
-    if len(producers) == 1 and len(layer.inputs) >= 1 and not _head_major(model, layer):
+    if len(producers) == 1 and not _head_major(model, layer):
         fused = graph.layers[producers.pop()].name
         raise PlanError(f"layer {layer.name!r} reads query, key and value from one fused projection "
                         f"{fused!r}, which splits by heads only if its rows are grouped by head; give the "

@@ -166,10 +166,10 @@ def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int,
 
 
 def combined(memories: list["Memory"]) -> "Memory":
-    """The memory of one device that holds several stages (interleaved 1F1B): their sums, the reserve once."""
-    return Memory(*(sum(getattr(m, f) for m in memories) for f in ("parameters", "gradients", "optimizer",
-                                                                   "activations", "workspace")),
-                  max(m.reserved for m in memories))
+    """The memory of one device that holds several stages (interleaved 1F1B): the sums of what they keep,
+    the largest of what is transient (workspace) and the reserve once."""
+    kept = (sum(getattr(m, f) for m in memories) for f in ("parameters", "gradients", "optimizer", "activations"))
+    return Memory(*kept, max(m.workspace for m in memories), max(m.reserved for m in memories))
 
 
 def optimizer_step_time(param_bytes: float, optimizer: str, cluster: ClusterSpec) -> float:

@@ -22,7 +22,7 @@ from hybridpar.spatial.geometry import plan_exchange, split_bounds
 R, S, P = "R", "S", "P"
 SPATIAL_KINDS = frozenset({"conv", "conv_transpose", "pool", "global_pool", "batch_norm", "group_norm",
                            "pointwise", "flatten", "upsample", "cat"})
-SHARDABLE = frozenset({"pointwise", "batch_norm", "pool", "upsample"})
+SHARDABLE = frozenset({"pointwise", "pool", "upsample"})  # as hybridpar.parallel.tensor runs them split
 # A spatially split normalisation runs as separate ops: forward sum, x - mean, its square, the square's sum,
 # the scaling (5 reads + 3 writes: 4x the fused layer's read + write), backward about twice that.
 SPATIAL_NORM_PASSES = (4, 8)
@@ -160,7 +160,7 @@ def _strategies(layer: Layer, tp: int, chain_only: bool) -> list[tuple[str, str,
     if tp == 1:
         return out
     cin, cout = layer.channels
-    if layer.kind in ("conv", "conv_transpose", "linear", "embedding"):
+    if layer.kind in ("conv", "linear", "embedding"):  # what hybridpar.parallel.tensor splits
         if cout and cout % tp == 0:
             out.append(("column", R, S))
         if cin and cin % tp == 0:

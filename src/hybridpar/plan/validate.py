@@ -63,7 +63,7 @@ def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_hal
     for name, _ in plan.layers:
         if name not in names:
             raise PlanError(f"plan names layer {name!r}, which the model does not have; the layers are "
-                            f"{_some(sorted(names))}")
+                            f"{some(sorted(names))}")
     c = Constraints(global_batch=plan.global_batch, dtype=plan.dtype, optimizer=plan.optimizer,
                     overlap_halo=overlap_halo)
     mesh = (plan.dp, plan.spatial, plan.tp, plan.pp)
@@ -116,7 +116,7 @@ def _cuts(plan: Plan, graph: ModelGraph, chain: Chain) -> tuple[int, ...]:
         if index[name] not in legal:
             allowed = [graph.layers[i].name for i in sorted(legal)]
             raise PlanError(f"a stage cannot start at layer {name!r}: more than one tensor (or a tp-split one) "
-                            f"crosses there; stages can start at {_some(allowed)}")
+                            f"crosses there; stages can start at {some(allowed)}")
         cuts.append(index[name])
     if cuts != sorted(set(cuts)):
         raise PlanError(f"stage boundaries {list(plan.stages)} must be distinct and in the model's order")
@@ -127,7 +127,7 @@ def _breakdown(mem) -> str:
     return ", ".join(f"{k} {v / 2**30:.3g}" for k, v in mem.as_dict().items() if k != "total" and v)
 
 
-def _some(names: list[str], limit: int = 8) -> str:
+def some(names: list[str], limit: int = 8) -> str:
     head = ", ".join(names[:limit])
     return head + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 

@@ -253,6 +253,8 @@ def _check_language_model(config: Config) -> None:
         raise ConfigError("train.epochs: the token task is an endless stream; give train.steps instead")
     if tuple(config.mesh.spatial) != (1, 1, 1):
         raise ConfigError(f"mesh.spatial = {list(config.mesh.spatial)}: a GPT has no volume to split; remove it")
+    if config.validation.batch_size:
+        raise ConfigError("validation.batch_size: a GPT validates on batches of train.batch_size; remove it")
     if config.train.loss not in ("", "cross_entropy"):
         raise ConfigError(f"train.loss = {config.train.loss!r} does not suit model 'gpt'; use 'cross_entropy'")
 

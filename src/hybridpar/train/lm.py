@@ -137,8 +137,6 @@ def train(config: Config, resume_from: Path | None, *, stop_after: int | None, s
     """Train on this rank; returns the run's summary (on every rank)."""
     run = setup(config)
     config = run.config
-    if config.validation.batch_size:
-        raise ConfigError("validation.batch_size: a GPT validates on batches of train.batch_size; remove it")
     start = 0
     if resume_from:
         sharded.init_optimizer_state(run.optimizer)
