@@ -54,12 +54,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     one step's global batch, or any batch) is what the model is analysed with; by default a tensor of
     ``plan.input_shape``, of token ids for a model that starts with an ``nn.Embedding``. ``model`` is
     consumed: use the returned model's ``full_state_dict()`` to read its weights."""
-    mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())
-    _check_mesh(plan, mesh)
     splits, groups = check_plan(model, plan, example_input)
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     params = {name for name, _ in model.named_parameters()}
     owners = _owners(names, groups, plan.pp)
+    mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())  # the first collective
+    _check_mesh(plan, mesh)
     pp_rank = mesh["pp"].get_local_rank()
     held = pipeline.stages_of_rank(len(groups), plan.pp, pp_rank) if plan.pp > 1 else [0]
     device = _device(mesh)
