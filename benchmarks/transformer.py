@@ -56,6 +56,8 @@ PLANS = {  # name: plan fields (tp > 1: the layers pair_strategies finds)
     "dp2-pp2-interleaved": dict(dp=2, pp=2, stages=PP4, micro_batches=4, schedule="interleaved-1f1b"),
     "fsdp2-pp2": dict(dp=2, pp=2, stages=PP2, micro_batches=4, sharding=3),
     "tp2-pp2": dict(tp=2, pp=2, stages=PP2, micro_batches=4),
+    "tp4-sequence": dict(tp=4, sequence_parallel=True),
+    "dp2-tp2-sequence": dict(dp=2, tp=2, sequence_parallel=True),
 }
 
 

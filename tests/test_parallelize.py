@@ -55,8 +55,14 @@ def equivalence(fields: dict) -> float:
     reference = copy.deepcopy(model)
     idx, targets = tokens()
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
+    tokens_seen = []
+    if plan.sequence_parallel:  # the norms really run on sequence shards
+        norm = next(m for module in parallel.modules.values() for m in module.modules()
+                    if isinstance(m, torch.nn.LayerNorm))
+        norm.register_forward_pre_hook(lambda m, args: tokens_seen.append(args[0].to_local().shape[1]))
     mine = replica_slice(parallel, BATCH)
     loss = parallel.train_step(idx[mine], targets[mine])
+    assert set(tokens_seen) == ({T // plan.tp} if plan.sequence_parallel else set())
     return check_step(parallel, reference, loss, lm_loss(reference(idx), targets))
 
 
@@ -123,6 +129,7 @@ CASES2 = {
     "pp2-interleaved": dict(pp=2, stages=PP4, schedule="interleaved-1f1b", micro_batches=4),
     "fsdp2": dict(dp=2, sharding=3),
     "tp2-checkpointing": dict(tp=2, checkpointing=True),
+    "tp2-sequence": dict(tp=2, sequence_parallel=True),
 }
 CASES4 = {
     "tp4": dict(tp=4),
@@ -133,6 +140,9 @@ CASES4 = {
     "zero2-tp2": dict(dp=2, tp=2, sharding=2),
     "tp2-pp2": dict(tp=2, pp=2, stages=PP2, micro_batches=2),
     "dp2-pp2-gpipe": dict(dp=2, pp=2, stages=PP2, micro_batches=2, schedule="gpipe"),
+    "dp2-tp2-sequence": dict(dp=2, tp=2, sequence_parallel=True),
+    "tp4-sequence": dict(tp=4, sequence_parallel=True),
+    "tp2-pp2-sequence": dict(tp=2, pp=2, stages=PP2, micro_batches=2, sequence_parallel=True),
     "dp2-pp2-interleaved": dict(dp=2, pp=2, stages=PP4, micro_batches=4, schedule="interleaved-1f1b"),
     "fsdp2-pp2": dict(dp=2, pp=2, stages=PP2, micro_batches=2, sharding=3),
 }
@@ -204,6 +214,10 @@ def refusals() -> list[str]:
         (dict(pp=4, stages=PP4, micro_batches=2), {}, "1F1B over 4 stages needs at least 4"),
         (dict(dp=4, micro_batches=2), {}, "micro_batches = 2: use 1 without pipeline stages"),
         (dict(dp=4, sharding=5), {}, r"sharding = 5: use 0 \(DDP\), 1, 2 or 3"),
+        (dict(dp=4, sequence_parallel=True), {}, "sequence_parallel = true needs tp > 1"),
+        (dict(tp=4, sequence_parallel=True, layers={"blocks.0.mlp.fc": "column", "blocks.0.mlp.act": "shard",
+                                                    "blocks.0.mlp.proj": "row"}), {},
+         r"layer 'embed.tok' \(Embedding\) is replicated, so sequence parallelism would run it on a sequence"),
     ]
     mesh = harness.mesh((1, 1, 1, 4), AXES)
     messages = []

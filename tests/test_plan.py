@@ -485,3 +485,20 @@ def test_interleaved_time_reduces_to_1f1b():
 
     assert cost.interleaved_pipeline_time([1.0, 1.0], 4, 2) == cost.pipeline_time([1.0, 1.0], 4) == 5.0
     assert cost.interleaved_pipeline_time([0.5] * 4, 4, 2) == pytest.approx(4.5)  # bubble halved
+
+
+def test_sequence_parallelism_is_priced():
+    """With sequence parallelism the replicated norms, dropouts and residual adds keep 1/tp of their
+    activations (each rank holds its share of the tokens); the split layers are as before."""
+    from hybridpar.parallel.tensor import pair_strategies
+
+    with torch.device("meta"):
+        model = gpt(num_layers=2, num_heads=8, d_model=512, seq_len=256, vocab_size=512)
+    g = graph_of(model, torch.zeros(8, 256, dtype=torch.long))
+    layers = tuple(pair_strategies(g, tp=4, model=model).items())
+    spec = small_cluster(4, per_node=4)
+    plain = validate(Plan(tp=4, global_batch=8, layers=layers), g, spec).prediction
+    sp = validate(Plan(tp=4, global_batch=8, layers=layers, sequence_parallel=True), g, spec).prediction
+    assert sp.memory["activations"] < plain.memory["activations"]
+    assert sp.memory["parameters"] == plain.memory["parameters"]
+    assert sp.step_time <= plain.step_time

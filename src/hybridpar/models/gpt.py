@@ -109,8 +109,9 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hs): heads may be this rank's only
+        qkv = self.qkv(x)  # (B, T, 3 d): shapes from here, as a rank may hold only some heads (and, under
+        B, T, _ = qkv.shape  # sequence parallelism, only some of x's tokens, which qkv gathers)
+        qkv = qkv.view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hs)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)  # (B, nh, T, hs)

@@ -82,8 +82,12 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
         raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
     if plan.pp == 1 and plan.micro_batches != 1:
         raise PlanError(f"micro_batches = {plan.micro_batches}: use 1 without pipeline stages (pp=1)")
+    if plan.sequence_parallel and plan.tp == 1:
+        raise PlanError("sequence_parallel = true needs tp > 1: it splits along the sequence what the "
+                        "tensor-parallel ranks would otherwise each hold whole")
     graph = graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
-    splits = check_strategies(model, dict(plan.layers), graph, plan.tp) if plan.tp > 1 else {}
+    splits = check_strategies(model, dict(plan.layers), graph, plan.tp,
+                              sequence_parallel=plan.sequence_parallel) if plan.tp > 1 else {}
     convs = [name for name, split in splits.items() if split.kind == "conv" and split.strategy in ("column", "row")]
     if convs and plan.sharding and math.prod(plan.spatial) * plan.dp > 1:
         raise PlanError(f"layer {convs[0]!r}: a channel-split convolution with sharding {plan.sharding} (FSDP) "

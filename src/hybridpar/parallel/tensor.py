@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from hybridpar.errors import PlanError
 from hybridpar.parallel.channels import CONVS, channel_parallel, filter_parallel
 from hybridpar.plan.graph import INPUT, Layer, ModelGraph
+from hybridpar.plan.layers import TOKEN_WISE
 from hybridpar.plan.types import TP_STRATEGIES
 
 WHOLE, SPLIT = "whole", "split"
@@ -158,14 +159,17 @@ class Split:
     strategy: str
     gather_output: bool = False  # a column layer whose readers need its output whole
     slice_input: bool = False  # a row layer fed a whole tensor
-    kind: str = "linear"  # linear, embedding, conv, or op (a shard layer: nothing to split)
+    kind: str = "linear"  # linear, embedding, conv, norm (sequence parallelism), or op (nothing to split)
+    input_seq: int | None = None  # sequence parallelism: the input arrives split along this dim
+    output_seq: int | None = None  # sequence parallelism: the output leaves split along this dim
 
 
-def tensor_parallel(model: nn.Module, strategies: Mapping[str, str], mesh: DeviceMesh,
-                    graph: ModelGraph) -> nn.Module:
+def tensor_parallel(model: nn.Module, strategies: Mapping[str, str], mesh: DeviceMesh, graph: ModelGraph, *,
+                    sequence_parallel: bool = False) -> nn.Module:
     """Split the layers named in ``strategies`` over the 1-D ``mesh`` (in place; returns ``model``);
     ``graph`` is ``model``'s layer graph. Everything is checked first (``check_strategies``)."""
-    return apply_splits(model, check_strategies(model, strategies, graph, mesh.size()), mesh)
+    splits = check_strategies(model, strategies, graph, mesh.size(), sequence_parallel=sequence_parallel)
+    return apply_splits(model, splits, mesh)
 
 
 def apply_splits(model: nn.Module, splits: Mapping[str, Split], mesh: DeviceMesh) -> nn.Module:
@@ -174,9 +178,11 @@ def apply_splits(model: nn.Module, splits: Mapping[str, Split], mesh: DeviceMesh
     styles, convs = {}, {}
     for name, split in splits.items():
         module = _held(model, name)
-        if module is None or split.strategy not in ("column", "row"):
+        if module is None or split.kind == "op":
             continue
-        if split.kind == "conv":
+        if split.kind == "norm":
+            styles[name] = SequenceParallel(sequence_dim=split.input_seq, use_local_output=True)
+        elif split.kind == "conv":
             convs[name] = (module, split)
         else:
             styles[name] = _style(split, split.kind == "embedding")
@@ -201,14 +207,18 @@ def _held(model: nn.Module, name: str) -> nn.Module | None:
 
 def _style(split: Split, embedding: bool):
     if split.strategy == "column":
-        return ColwiseParallel(output_layouts=Replicate() if split.gather_output else Shard(-1))
-    return RowwiseParallel(input_layouts=Replicate() if split.slice_input or embedding else Shard(-1))
+        whole = Replicate() if split.output_seq is None else Shard(split.output_seq)
+        return ColwiseParallel(input_layouts=Replicate() if split.input_seq is None else Shard(split.input_seq),
+                               output_layouts=whole if split.gather_output else Shard(-1))
+    return RowwiseParallel(input_layouts=Replicate() if split.slice_input or embedding else Shard(-1),
+                           output_layouts=Replicate() if split.output_seq is None else Shard(split.output_seq))
 
 
-def check_strategies(model: nn.Module, strategies: Mapping[str, str], graph: ModelGraph,
-                     tp: int) -> dict[str, Split]:
+def check_strategies(model: nn.Module, strategies: Mapping[str, str], graph: ModelGraph, tp: int, *,
+                     sequence_parallel: bool = False) -> dict[str, Split]:
     """Every check ``tensor_parallel`` makes, with no communication (the same answer on every rank):
-    names, strategies, module types, divisibility, heads, and the layouts at every edge."""
+    names, strategies, module types, divisibility, heads, and the layouts at every edge; with
+    ``sequence_parallel``, that the replicated layers can run on sequence shards (``_sequence_splits``)."""
     by_name = {layer.name: layer for layer in graph.layers}
     for name, strategy in strategies.items():
         if name not in by_name:
@@ -227,7 +237,44 @@ def check_strategies(model: nn.Module, strategies: Mapping[str, str], graph: Mod
         edges = _edges(graph, layer, wanted)
         if module is not None:
             splits[layer.name] = Split(strategy, *edges, kind=_kind(module))
-    return splits
+    return _sequence_splits(model, graph, wanted, splits) if sequence_parallel else splits
+
+
+def _sequence_splits(model: nn.Module, graph: ModelGraph, wanted: list[str],
+                     splits: dict[str, Split]) -> dict[str, Split]:
+    """Sequence parallelism (Korthikanti et al. 2022): every tensor that the plan keeps whole over tp is
+    split along its sequence dim (``-2`` of ``(B, T, d)``) instead; column layers gather the sequence
+    (all-gather), row layers and embeddings scatter their summed output along it (reduce-scatter), norms
+    run as DTensor ``SequenceParallel``. So every replicated layer must work token by token, the model input
+    may feed only row-split embeddings, and the model's output must come gathered from a column layer."""
+    out = dict(splits)
+    for layer, strategy in zip(graph.layers, wanted):
+        module = _module(model, layer.name)
+        readers = graph.consumers[layer.index]
+        if strategy == "replicate":
+            if layer.kind not in TOKEN_WISE or not readers:
+                why = "it is the model's output" if not readers else f"it is not token-wise ({layer.kind})"
+                raise PlanError(f"layer {layer.name!r} ({layer.op}) is replicated, so sequence parallelism would "
+                                f"run it on a sequence shard, but {why}; split it, or turn sequence_parallel off")
+            if module is not None and any(True for _ in module.parameters(recurse=False)):
+                out[layer.name] = Split("replicate", kind="norm", input_seq=len(layer.in_shape) - 2)
+            continue
+        split = out.get(layer.name)
+        if strategy == "shard" or split is None:
+            continue  # heads, activations: feature-split tensors, as without sequence parallelism
+        if INPUT in layer.inputs and not (split.kind == "embedding" and strategy == "row"):
+            raise PlanError(f"layer {layer.name!r} reads the model input; with sequence_parallel only "
+                            "embeddings split by rows may (their output leaves split along the sequence)")
+        if split.kind not in ("linear", "embedding") or (split.slice_input and split.kind == "linear"):
+            raise PlanError(f"layer {layer.name!r} ({layer.op}, {strategy}): sequence parallelism splits Linear "
+                            "and Embedding layers fed split features; turn sequence_parallel off")
+        fields = {}
+        if strategy == "column" and INPUT not in layer.inputs and layer.inputs:
+            fields["input_seq"] = len(layer.in_shape) - 2
+        if LAYOUTS[strategy][1] == WHOLE or split.gather_output:
+            fields["output_seq"] = len(layer.out_shape) - 2 if readers else None
+        out[layer.name] = replace(split, **fields)
+    return out
 
 
 def _kind(module: nn.Module | None) -> str:

@@ -23,6 +23,7 @@ R, S, P = "R", "S", "P"
 SPATIAL_KINDS = frozenset({"conv", "conv_transpose", "pool", "global_pool", "batch_norm", "group_norm",
                            "pointwise", "flatten", "upsample", "cat"})
 SHARDABLE = frozenset({"pointwise", "pool", "upsample"})  # as hybridpar.parallel.tensor runs them split
+TOKEN_WISE = frozenset({"pointwise", "layer_norm"})  # on sequence shards under sequence parallelism
 # A spatially split normalisation runs as separate ops: forward sum, x - mean, its square, the square's sum,
 # the scaling (5 reads + 3 writes: 4x the fused layer's read + write), backward about twice that.
 SPATIAL_NORM_PASSES = (4, 8)
@@ -56,7 +57,7 @@ class MeshContext:
     tp_group: cost.Group
     norm_group: cost.Group
     overlap: bool
-
+    sequence_parallel: bool = False  # replicated token-wise layers run on 1/tp of the tokens
 
 def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
     """Refuse a spatial grid the runtime would refuse (a slab thinner than its halo, a layer that
@@ -175,8 +176,9 @@ def _strategies(layer: Layer, tp: int, chain_only: bool) -> list[tuple[str, str,
 def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scale: float, fraction: float,
             halo_per_sample: tuple[float, ...]) -> Option:
     name, lin, lout = strategy
-    split = ctx.tp if name != "replicate" else 1
-    params = layer.param_bytes / split
+    on_tokens = ctx.sequence_parallel and name == "replicate" and layer.kind in TOKEN_WISE
+    split = ctx.tp if name != "replicate" or on_tokens else 1
+    params = layer.param_bytes / (1 if on_tokens else split)  # a norm's parameters stay whole on every rank
     act_bytes = (layer.bytes_moved - layer.param_bytes) * scale * fraction / split
     first = all(p == INPUT for p in layer.inputs) or not layer.inputs or layer.kind == "embedding"
     cin, cout = layer.channels

@@ -113,10 +113,11 @@ def micro_batch_counts(per_replica: int, pp: int, c: Constraints) -> list[int]:
 # --- per-layer strategies ------------------------------------------------------------------------
 
 def _context(cluster: ClusterSpec, c: Constraints, dp: int, grid: tuple[int, ...], tp: int,
-             micro_batch: int) -> MeshContext:
+             micro_batch: int, sequence_parallel: bool = False) -> MeshContext:
     s = math.prod(grid)
     return MeshContext(cluster, c.dtype, grid, tp, micro_batch, cost.Group.of(cluster, s, tp),
-                       cost.Group.of(cluster, tp, 1), cost.Group.of(cluster, dp * s, tp), c.overlap_halo)
+                       cost.Group.of(cluster, tp, 1), cost.Group.of(cluster, dp * s, tp), c.overlap_halo,
+                       sequence_parallel and tp > 1)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class Plan:
     stages: tuple[str, ...] = ()  # first layer of each stage after the first
     schedule: str = "1f1b"  # gpipe, 1f1b, or interleaved-1f1b (several stages per pp rank)
     layers: tuple[tuple[str, str], ...] = ()  # (layer name, tp strategy) for layers that do not replicate
+    sequence_parallel: bool = False  # replicated token-wise layers run on sequence shards (Megatron-SP)
     optimizer: str = "adam"
     dtype: str = "float32"
     model: str = ""
@@ -82,7 +83,7 @@ class Plan:
         if any(p > 1 for p in self.spatial):
             parts.append("spatial=" + "x".join(map(str, self.spatial)))
         if self.tp > 1:
-            parts.append(f"tp={self.tp}")
+            parts.append(f"tp={self.tp}" + (" sp" if self.sequence_parallel else ""))
         if self.pp > 1:
             parts.append(f"pp={self.pp} (m={self.micro_batches})")
         if self.sharding:
@@ -136,8 +137,8 @@ class Plan:
 
 FIELD_TYPES = {"dp": "count", "tp": "count", "pp": "count", "global_batch": "count", "micro_batches": "count",
                "sharding": "int", "spatial": "counts", "input_shape": "counts", "checkpointing": "bool",
-               "stages": "names", "schedule": "str", "layers": "pairs", "optimizer": "str", "dtype": "str",
-               "model": "str", "cluster": "str", "prediction": "object"}
+               "stages": "names", "schedule": "str", "layers": "pairs", "sequence_parallel": "bool",
+               "optimizer": "str", "dtype": "str", "model": "str", "cluster": "str", "prediction": "object"}
 
 
 def _check_types(values: dict, where: str) -> None:

@@ -67,7 +67,8 @@ def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_hal
     c = Constraints(global_batch=plan.global_batch, dtype=plan.dtype, optimizer=plan.optimizer,
                     overlap_halo=overlap_halo)
     mesh = (plan.dp, plan.spatial, plan.tp, plan.pp)
-    ctx = _context(cluster, c, plan.dp, plan.spatial, plan.tp, plan.global_batch // (plan.dp * plan.micro_batches))
+    ctx = _context(cluster, c, plan.dp, plan.spatial, plan.tp, plan.global_batch // (plan.dp * plan.micro_batches),
+                   plan.sequence_parallel)
     chain = chain_of(graph, ctx, dict(plan.layers))
     cuts = _cuts(plan, graph, chain)
     step, memory, comm = price(graph, cluster, c, mesh, plan.micro_batches, plan.sharding, plan.checkpointing,
