@@ -68,16 +68,19 @@ def tokens(plan: Plan, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return window[:, :-1], window[:, 1:]
 
 
-def make_plan(fields: dict) -> Plan:
-    from hybridpar.parallel.tensor import pair_strategies
+def analysed():
+    """The model on the meta device and its layer graph (the parent's planning; the workers build their own)."""
     from hybridpar.plan import graph_of
 
-    layers = ()
-    if fields.get("tp", 1) > 1:
-        with torch.device("meta"):
-            model = gpt(**MODEL)
-        graph = graph_of(model, torch.zeros(BATCH, MODEL["seq_len"], dtype=torch.long))
-        layers = tuple(pair_strategies(graph, tp=fields["tp"], model=model).items())
+    with torch.device("meta"):
+        model = gpt(**MODEL)
+    return model, graph_of(model, torch.zeros(BATCH, MODEL["seq_len"], dtype=torch.long))
+
+
+def make_plan(fields: dict, model, graph) -> Plan:
+    from hybridpar.parallel.tensor import pair_strategies
+
+    layers = tuple(pair_strategies(graph, tp=fields["tp"], model=model).items()) if fields.get("tp", 1) > 1 else ()
     return Plan(global_batch=BATCH, input_shape=(BATCH, MODEL["seq_len"]), layers=layers, **fields)
 
 
@@ -123,26 +126,15 @@ def run(plan: Plan, num_warmup: int, num_steps: int) -> dict:
 # -- the parent ------------------------------------------------------------------------------------
 
 
-def predictions(plans: dict[str, Plan], cluster) -> dict:
-    from hybridpar.plan import graph_of, validate
+def predictions(plans: dict[str, Plan], graph, cluster) -> dict:
+    from hybridpar.plan import validate
 
-    with torch.device("meta"):
-        model = gpt(**MODEL)
-    graph = graph_of(model, torch.zeros(BATCH, MODEL["seq_len"], dtype=torch.long))
     return {name: validate(dataclasses.replace(plan, prediction=None), graph, cluster).prediction
             for name, plan in plans.items()}
 
 
-def searched(cluster) -> Plan:
-    from hybridpar.plan import search_plans
-
-    with torch.device("meta"):
-        model = gpt(**MODEL)
-    return search_plans(model, torch.zeros(BATCH, MODEL["seq_len"], dtype=torch.long), cluster).plans[0]
-
-
 def table(rows: dict, base: str) -> list[str]:
-    lines = ["| plan | tokens/s | vs DDP | predicted tokens/s | error | peak MiB/rank | predicted MiB | error |",
+    lines = [f"| plan | tokens/s | vs {base} | predicted tokens/s | error | peak MiB/rank | predicted MiB | error |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base_s = rows[base]["step_s"]
     for name, r in rows.items():
@@ -169,10 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     begin = time.perf_counter()
     cluster = load_cluster(calibrate(args.cluster_dir, [PROCS], False, False)[PROCS])
-    plans = {name: make_plan(PLANS[name]) for name in args.plans if name != "searched"}
+    from hybridpar.plan import search_plans
+
+    model, graph = analysed()
+    plans = {name: make_plan(PLANS[name], model, graph) for name in args.plans if name != "searched"}
     if "searched" in args.plans:
-        plans["searched"] = searched(cluster)
-    predicted = predictions(plans, cluster)
+        plans["searched"] = search_plans(graph, None, cluster).plans[0]
+    predicted = predictions(plans, graph, cluster)
     rows = {}
     for name, plan in plans.items():
         start = time.perf_counter()

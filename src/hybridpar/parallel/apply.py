@@ -275,13 +275,18 @@ class ParallelModel:
         return loss
 
     def _all_reduce_gradients(self) -> None:
+        """The mean of every local gradient over ``dp x spatial``, flattened into buckets of at most
+        ``BUCKET_BYTES`` (as DDP does): one all-reduce per bucket, not one per parameter."""
         group = flat_group(self.mesh, ("dp", "spatial"))
         size = dist.get_world_size(group)
-        for param in self.parameters():
-            if param.grad is not None:
-                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-                dist.all_reduce(grad, group=group)
-                grad.div_(size)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.parameters() if p.grad is not None]
+        for bucket in _buckets(grads):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                grad.copy_(part.view_as(grad))
 
     def gather_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient, keyed by the original model's names, on every rank (zeros
@@ -311,6 +316,23 @@ class ParallelModel:
                 dist.broadcast(value, src=dist.get_global_rank(group, self._owners[name]), group=group)
             out[name] = value
         return out
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def _buckets(tensors: list[torch.Tensor]):
+    """Consecutive runs of ``tensors`` of one dtype and device, each at most ``BUCKET_BYTES`` (or one tensor)."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > BUCKET_BYTES or (t.dtype, t.device) != (bucket[0].dtype, bucket[0].device)):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def local_tensors(module: nn.Module, buffers: bool = True):

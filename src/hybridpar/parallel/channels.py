@@ -60,13 +60,14 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
-def _all_gather_channels(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Every rank's ``x``, concatenated along ``dim`` in rank order (by default the channels)."""
     size = dist.get_world_size(group)
     if x.is_meta:  # a spatial model's shape trace: only the shape is gathered
-        return torch.cat([x] * size, dim=1)
+        return torch.cat([x] * size, dim=dim)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=dim)
 
 
 class _GatherFromGroup(torch.autograd.Function):
@@ -75,7 +76,7 @@ class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.width = group, x.shape[1]
-        return _all_gather_channels(x, group)
+        return _all_gather_cat(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,7 +96,7 @@ class _SliceToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_channels(grad, ctx.group), None
+        return _all_gather_cat(grad, ctx.group), None
 
 
 class _SplitConv(nn.Module):
@@ -203,6 +204,4 @@ def gather_parameter(shard: torch.Tensor, module: _SplitConv, name: str) -> torc
     of it (a parameter or its gradient); collective over ``module.group``."""
     if name == "bias" and module.split_dim == 1:
         return shard.clone()  # whole on every rank
-    parts = [torch.empty_like(shard) for _ in range(module.parts)]
-    dist.all_gather(parts, shard.contiguous(), group=module.group)
-    return torch.cat(parts, dim=module.split_dim if name == "weight" else 0)
+    return _all_gather_cat(shard, module.group, module.split_dim if name == "weight" else 0)

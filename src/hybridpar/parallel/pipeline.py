@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from hybridpar.errors import PlanError
 from hybridpar.plan.graph import ModelGraph, blocks
 from hybridpar.plan.types import SCHEDULES as PLAN_SCHEDULES
-from hybridpar.plan.validate import some
+from hybridpar.plan.validate import check_stage_count, some
 
 SCHEDULES = dict(zip(PLAN_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
 
@@ -33,16 +33,8 @@ SCHEDULES = dict(zip(PLAN_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInter
 def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: str) -> list[list[str]]:
     """The block names of each stage, for stages starting at the layers named in ``starts`` (the plan's
     ``stages``: the first layer of each stage after the first); checked against the graph."""
-    if schedule not in SCHEDULES:
-        raise PlanError(f"schedule = {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    check_stage_count(schedule, len(starts), pp)
     num_stages = len(starts) + 1
-    if schedule == "interleaved-1f1b":
-        if num_stages % pp or num_stages < 2 * pp:
-            raise PlanError(f"interleaved-1f1b with pp={pp} needs a multiple of {pp} stages, at least {2 * pp}, "
-                            f"but the plan's {len(starts)} stage boundaries make {num_stages}")
-    elif num_stages != pp:
-        raise PlanError(f"pp={pp} with the {schedule} schedule needs {pp - 1} stage boundaries, but the plan "
-                        f"lists {len(starts)}; use interleaved-1f1b for several stages per rank")
     names = list(graph.blocks)
     if num_stages > len(names):
         raise PlanError(f"{num_stages} pipeline stages, but {graph.name} has {len(names)} top-level blocks "

@@ -79,15 +79,14 @@ def pair_strategies(graph: ModelGraph, *, tp: int, model: nn.Module | None = Non
 
 
 def _found(graph: ModelGraph, tp: int, model: nn.Module | None) -> dict[str, str]:
-    consumers = dict(enumerate(graph.consumers))
     strategies: dict[str, str] = {}
     for layer in graph.layers:
         if layer.name in strategies:
             continue
         if layer.kind == "attention":
-            strategies.update(_attention_split(graph, consumers, layer, tp, model))
+            strategies.update(_attention_split(graph, layer, tp, model))
         elif layer.kind in SPLITTABLE and layer.channels[1] % tp == 0:
-            found = _chain_to(graph, consumers, layer.index, layer.kind)
+            found = _chain_to(graph, layer.index, layer.kind)
             if found is not None:
                 strategies.update(_pair(graph, [layer.index], *found))
     for layer in graph.layers:
@@ -95,7 +94,7 @@ def _found(graph: ModelGraph, tp: int, model: nn.Module | None) -> dict[str, str
             continue
         if layer.kind == "embedding" and layer.channels[0] % tp == 0:
             strategies[layer.name] = "row"
-        elif layer.kind == "linear" and not consumers[layer.index] and layer.channels[1] % tp == 0:
+        elif layer.kind == "linear" and not graph.consumers[layer.index] and layer.channels[1] % tp == 0:
             strategies[layer.name] = "column"
     return strategies
 
@@ -107,12 +106,12 @@ def _pair(graph: ModelGraph, columns: list[int], between: list[int], row: int) -
     return names
 
 
-def _chain_to(graph: ModelGraph, consumers: dict, index: int, kind: str) -> tuple[list[int], int] | None:
+def _chain_to(graph: ModelGraph, index: int, kind: str) -> tuple[list[int], int] | None:
     """``(pointwise layers crossed, the layer of ``kind`` reached)`` from the output of layer ``index``
     through single-consumer pointwise layers, each reading nothing else; ``None`` if there is none."""
     current, between = index, []
     while True:
-        after = consumers.get(current, ())
+        after = graph.consumers[current]
         if len(after) != 1:
             return None
         nxt = graph.layers[after[0]]
@@ -126,17 +125,16 @@ def _chain_to(graph: ModelGraph, consumers: dict, index: int, kind: str) -> tupl
         current = nxt.index
 
 
-def _attention_split(graph: ModelGraph, consumers: dict, attention: Layer, tp: int,
-                     model: nn.Module | None) -> dict[str, str]:
+def _attention_split(graph: ModelGraph, attention: Layer, tp: int, model: nn.Module | None) -> dict[str, str]:
     producers = sorted(set(attention.inputs))
     layers = [graph.layers[p] for p in producers if p != INPUT]
     if (attention.heads % tp or len(layers) != len(producers)
-            or any(p.kind != "linear" or consumers[p.index] != (attention.index,) for p in layers)
+            or any(p.kind != "linear" or graph.consumers[p.index] != (attention.index,) for p in layers)
             or len({p.inputs for p in layers}) != 1):
         return {}
     if len(layers) == 1 and not (model is not None and _head_major(model, attention)):
         return {}
-    found = _chain_to(graph, consumers, attention.index, "linear")
+    found = _chain_to(graph, attention.index, "linear")
     if found is None:
         return {}
     between, row = found
@@ -144,9 +142,8 @@ def _attention_split(graph: ModelGraph, consumers: dict, attention: Layer, tp: i
 
 
 def _head_major(model: nn.Module, attention: Layer) -> bool:
-    owner = attention.name.partition(":")[0]
     try:
-        module = model.get_submodule(owner) if ":" in attention.name else model
+        module = model.get_submodule(attention.owner)
     except AttributeError:
         return False
     return bool(getattr(module, "qkv_head_major", False))
@@ -185,7 +182,7 @@ def apply_splits(model: nn.Module, splits: Mapping[str, Split], mesh: DeviceMesh
         elif split.kind == "conv":
             convs[name] = (module, split)
         else:
-            styles[name] = _style(split, split.kind == "embedding")
+            styles[name] = _style(split)
     group = mesh.get_group()
     for name, (module, split) in convs.items():
         parent, _, child = name.rpartition(".")
@@ -205,12 +202,13 @@ def _held(model: nn.Module, name: str) -> nn.Module | None:
     return None if isinstance(module, nn.Identity) else module
 
 
-def _style(split: Split, embedding: bool):
+def _style(split: Split):
     if split.strategy == "column":
         whole = Replicate() if split.output_seq is None else Shard(split.output_seq)
         return ColwiseParallel(input_layouts=Replicate() if split.input_seq is None else Shard(split.input_seq),
                                output_layouts=whole if split.gather_output else Shard(-1))
-    return RowwiseParallel(input_layouts=Replicate() if split.slice_input or embedding else Shard(-1),
+    whole_in = split.slice_input or split.kind == "embedding"
+    return RowwiseParallel(input_layouts=Replicate() if whole_in else Shard(-1),
                            output_layouts=Replicate() if split.output_seq is None else Shard(split.output_seq))
 
 
@@ -232,7 +230,7 @@ def check_strategies(model: nn.Module, strategies: Mapping[str, str], graph: Mod
     for layer, strategy in zip(graph.layers, wanted):
         if strategy == "replicate":
             continue
-        module = _module(model, layer.name)
+        module = _module(model, layer)
         _check_layer(model, graph, layer, module, strategy, tp)
         edges = _edges(graph, layer, wanted)
         if module is not None:
@@ -249,7 +247,7 @@ def _sequence_splits(model: nn.Module, graph: ModelGraph, wanted: list[str],
     may feed only row-split embeddings, and the model's output must come gathered from a column layer."""
     out = dict(splits)
     for layer, strategy in zip(graph.layers, wanted):
-        module = _module(model, layer.name)
+        module = _module(model, layer)
         readers = graph.consumers[layer.index]
         if strategy == "replicate":
             if layer.kind not in TOKEN_WISE or not readers:
@@ -284,11 +282,9 @@ def _kind(module: nn.Module | None) -> str:
     return {nn.Linear: "linear", nn.Embedding: "embedding"}.get(type(module), "op")
 
 
-def _module(model: nn.Module, name: str) -> nn.Module | None:
-    """The module a layer name refers to; ``None`` for an operation called in a forward (``'add#0'``)."""
-    if ":" in name or "#" in name:
-        return None
-    return model.get_submodule(name) if name else model
+def _module(model: nn.Module, layer: Layer) -> nn.Module | None:
+    """The module a layer is; ``None`` for an operation called in a forward (``'add#0'``)."""
+    return model.get_submodule(layer.name) if layer.is_module else None
 
 
 def _check_layer(model: nn.Module, graph: ModelGraph, layer: Layer, module: nn.Module | None, strategy: str,

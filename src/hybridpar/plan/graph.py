@@ -102,6 +102,20 @@ class Layer:
                 self.inputs == () or all(p == INPUT for p in self.inputs))
 
     @property
+    def is_module(self) -> bool:
+        """Whether the layer is a module (its name a module path), not an operation called in a forward
+        (``'add#0'``, ``'blocks.0.attn:scaled_dot_product_attention#0'``)."""
+        return ":" not in self.name and "#" not in self.name
+
+    @property
+    def owner(self) -> str:
+        """The path of the module the layer runs in: its own, or that of the module whose forward calls the
+        operation (``''``: the model's own forward)."""
+        if self.is_module:
+            return self.name
+        return self.name.partition(":")[0] if ":" in self.name else ""
+
+    @property
     def halo(self) -> tuple[tuple[int, int], ...]:
         """Rows below and above each output slab that a window reads beyond the slab's own input rows
         (for a stride-1 window: the padding on each side)."""
@@ -177,7 +191,7 @@ class ModelGraph:
         order = {name: i for i, name in enumerate(self.blocks)}
         out = []
         for layer in self.layers:
-            path = layer.name.partition(":")[0] if ":" in layer.name else ("" if "#" in layer.name else layer.name)
+            path = layer.owner
             out.append(next((order[b] for b in self.blocks if path == b or path.startswith(b + ".")), None))
         return tuple(out)
 

@@ -95,16 +95,22 @@ def _check_degrees(plan: Plan, cluster: ClusterSpec) -> None:
                         "and at least 1 with them")
     if plan.sharding not in SHARDING_NAMES:
         raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
-    if plan.schedule not in SCHEDULES:
-        raise PlanError(f"schedule = {plan.schedule!r}: use one of {', '.join(SCHEDULES)}")
-    if plan.schedule == "interleaved-1f1b" and plan.pp > 1:
-        stages = len(plan.stages) + 1
-        if stages % plan.pp or stages < 2 * plan.pp:
-            raise PlanError(f"interleaved-1f1b with pp={plan.pp} needs a multiple of {plan.pp} stages, at least "
-                            f"{2 * plan.pp}, but the plan's {len(plan.stages)} stage boundaries make {stages}")
-    elif len(plan.stages) != plan.pp - 1:
-        raise PlanError(f"pp={plan.pp} needs {plan.pp - 1} stage boundaries (the first layer of each stage after "
-                        f"the first), but the plan lists {len(plan.stages)}")
+    check_stage_count(plan.schedule, len(plan.stages), plan.pp)
+
+
+def check_stage_count(schedule: str, boundaries: int, pp: int) -> None:
+    """The plan's ``schedule`` is known and its ``boundaries`` stage boundaries make the stages it runs:
+    ``pp`` of them, or under interleaved 1F1B a multiple of ``pp``, at least ``2 pp``."""
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule = {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    stages = boundaries + 1
+    if schedule == "interleaved-1f1b" and pp > 1:
+        if stages % pp or stages < 2 * pp:
+            raise PlanError(f"interleaved-1f1b with pp={pp} needs a multiple of {pp} stages, at least {2 * pp}, "
+                            f"but the plan's {boundaries} stage boundaries make {stages}")
+    elif stages != pp:
+        raise PlanError(f"pp={pp} needs {pp - 1} stage boundaries (the first layer of each stage after the first), "
+                        f"but the plan lists {boundaries}; interleaved-1f1b runs several stages per rank")
 
 
 def _cuts(plan: Plan, graph: ModelGraph, chain: Chain) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from hybridpar.parallel.apply import check_plan
 from hybridpar.plan import Plan
 from hybridpar.train import checkpoint, planning
 from hybridpar.train.config import Config, model_factory, model_options
+from hybridpar.train.loop import mean_over_dp
 from hybridpar.train.metrics import MetricsLog
 from hybridpar.train.optim import build_optimizer, learning_rate, set_learning_rate
 from hybridpar.train.progress import Progress
@@ -104,12 +105,6 @@ def _replica_rows(run: LMRun, batch: tuple[torch.Tensor, torch.Tensor]):
     return tuple(t[replica * per:(replica + 1) * per] for t in batch)
 
 
-def _mean_over_dp(run: LMRun, value: torch.Tensor) -> float:
-    value = value.detach().clone().double()
-    dist.all_reduce(value, group=run.parallel.mesh["dp"].get_group())
-    return float(value) / run.plan.dp
-
-
 def train_step(run: LMRun, step: int) -> tuple[float, float]:
     cfg = run.config
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
@@ -119,7 +114,7 @@ def train_step(run: LMRun, step: int) -> tuple[float, float]:
     run.optimizer.zero_grad(set_to_none=True)
     loss = run.parallel.train_step(x, y)
     run.optimizer.step()
-    return _mean_over_dp(run, loss), lr
+    return mean_over_dp(run.parallel.mesh, loss), lr
 
 
 def validate(run: LMRun) -> dict:
@@ -127,9 +122,10 @@ def validate(run: LMRun) -> dict:
     time), and the least loss the task allows."""
     cfg = run.config
     batches = max(1, (cfg.validation.max_samples or run.plan.global_batch) // run.plan.global_batch)
-    total = sum(_mean_over_dp(run, run.parallel.eval_loss(*_replica_rows(run, run.task.batch(i, run.plan.global_batch,
-                                                                                              "val"))))
-                for i in range(batches))
+    total = 0.0
+    for i in range(batches):
+        x, y = _replica_rows(run, run.task.batch(i, run.plan.global_batch, "val"))
+        total += mean_over_dp(run.parallel.mesh, run.parallel.eval_loss(x, y))
     return {"loss": total / batches, "best_possible": run.task.entropy}
 
 

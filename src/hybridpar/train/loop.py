@@ -184,10 +184,12 @@ def loss_fn(run: Run, output: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     return loss
 
 
-def _mean_over_dp(run: Run, value: torch.Tensor) -> float:
+def mean_over_dp(mesh, value: torch.Tensor) -> float:
+    """The mean of a scalar over the data-parallel replicas of ``mesh`` (every replica's loss: the global
+    batch's, for equal replica batches)."""
     value = value.detach().clone().double()
-    dist.all_reduce(value, group=run.mesh["dp"].get_group())
-    return float(value) / run.dims.dp
+    dist.all_reduce(value, group=mesh["dp"].get_group())
+    return float(value) / mesh["dp"].size()
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -201,7 +203,7 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     run.optimizer.step()
-    return _mean_over_dp(run, loss), lr
+    return mean_over_dp(run.mesh, loss), lr
 
 
 @torch.no_grad()
