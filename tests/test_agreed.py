@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.errors import ConfigError, DataError
-from hybridpar.train.config import MeshConfig
-from hybridpar.train.loop import _check_same_data, _check_same_plan, agreed
+from hybridpar.plan import Plan
+from hybridpar.train.loop import _check_same_data, agreed, check_same_plan
 
 HANG = 30  # seconds: a rank that kept going would wait in the all-reduce below; the harness calls it a hang
 
@@ -69,11 +69,11 @@ def test_ranks_with_other_data_files_are_refused(dist2):
 
 
 def check_plans(odd_rank: int | None) -> str | None:
-    """``_check_same_plan`` where ``odd_rank`` took dp=2 from its plan and the others spatial=2x1x1 (a
+    """``check_same_plan`` where ``odd_rank`` took dp=2 from its plan and the others spatial=2x1x1 (a
     cluster file that differs between nodes)."""
-    mesh = MeshConfig(dp=2) if dist.get_rank() == odd_rank else MeshConfig(spatial=(2, 1, 1))
+    plan = Plan(dp=2) if dist.get_rank() == odd_rank else Plan(spatial=(2, 1, 1))
     try:
-        _check_same_plan(SimpleNamespace(plan="auto", mesh=mesh), plan=object())
+        check_same_plan(SimpleNamespace(plan="auto"), plan)
     except ConfigError as err:
         return str(err)
     return None
@@ -82,4 +82,4 @@ def check_plans(odd_rank: int | None) -> str | None:
 def test_ranks_with_other_plans_are_refused_before_the_mesh(dist2):
     assert dist2.run(check_plans, timeout=HANG, odd_rank=None) == [None, None]
     errors = dist2.run(check_plans, timeout=HANG, odd_rank=1)
-    assert errors[0] == errors[1] and "rank 1 took another mesh from plan = 'auto' than rank 0" in errors[0]
+    assert errors[0] == errors[1] and "rank 1 took another plan from plan = 'auto' than rank 0 (dp=2 vs dp=1 spatial=2x1x1)" in errors[0]

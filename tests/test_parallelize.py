@@ -116,7 +116,13 @@ def cnn_equivalence(fields: dict) -> float:
     mine = replica_slice(parallel, 4)
     slab = shard(x[mine], parallel.mesh["spatial"], grid=plan.spatial) if plan.dims.num_spatial > 1 else x[mine]
     loss = parallel.train_step(slab, y[mine])
-    return check_step(parallel, reference, loss, F.mse_loss(reference(x), y))
+    check_step(parallel, reference, loss, F.mse_loss(reference(x), y))
+    # the outputs of any number of samples (3: a pipeline pads the last of its training-sized batches), in
+    # evaluation mode, on every rank
+    few = shard(x[:3], parallel.mesh["spatial"], grid=plan.spatial) if plan.dims.num_spatial > 1 else x[:3]
+    torch.testing.assert_close(parallel.predict(few), reference.eval()(x[:3]), **TOL)
+    assert all(m.training for module in parallel.modules.values() for m in module.modules())
+    return loss.item()
 
 
 PP2 = ("blocks.2.ln_1",)
@@ -235,6 +241,8 @@ def refusals() -> list[str]:
         messages.append(str(err.value))
     with pytest.raises(PlanError, match=r"the mesh has \{'pp': 1, 'dp': 1, 'spatial': 1, 'tp': 4\} ranks per axis"):
         parallelize(tiny_gpt(), gpt_plan(dp=2, tp=2), mesh, loss_fn=lm_loss)
+    with pytest.raises(PlanError, match="batch_norm = 'replica': use one of global, spatial"):
+        parallelize(tiny_gpt(), gpt_plan(tp=4), mesh, loss_fn=lm_loss, batch_norm="replica")
     return messages
 
 

@@ -339,9 +339,9 @@ def _brute_force_search(graph, spec, c):
             continue
         per_replica = c.global_batch // dp
         for m in micro_batch_counts(per_replica, pp, c):
-            chain = best_chain(graph, _context(spec, c, dp, grid, tp, per_replica // m))
-            starts = legal_starts(graph, chain)[1:]
             for z in (c.sharding if dp * math.prod(grid) > 1 else (0,)):
+                chain = best_chain(graph, _context(spec, c, dp, grid, tp, per_replica // m, sharding=z))
+                starts = legal_starts(graph, chain)[1:]
                 for ckpt in c.checkpointing:
                     for cuts in itertools.combinations(starts, pp - 1):
                         step, memory, _ = price(graph, spec, c, mesh, m, z, ckpt, chain, cuts)
@@ -398,6 +398,10 @@ def test_plan_json_errors():
     (dict(tp=4, dp=1, layers=(("features.0", "row"),)), r"layer 'features.0' \(Conv3d\) cannot run 'row' with tp=4: "
                                                          r"its 2 input features"),
     (dict(tp=2, dp=2, layers=(("head.0", "shard"),)), r"layer 'head.0' \(Flatten\) cannot run 'shard'"),
+    (dict(tp=2, dp=2, sharding=3, layers=(("features.0", "column"),)),
+     r"layer 'features.0' \(Conv3d\) cannot run 'column': FSDP / ZeRO \(sharding > 0\) does not run channel-split"),
+    (dict(tp=2, dp=1, spatial=(2, 1, 1), layers=(("head.1", "column"),)),
+     r"layer 'head.1' \(Linear\) cannot run 'column': a spatially split model \(spatial=\[2, 1, 1\]\) keeps"),
     (dict(pp=2, dp=2, micro_batches=2, stages=()), r"pp=2 needs 1 stage boundaries"),
     (dict(pp=2, dp=2, micro_batches=2, stages=("nope",)), r"'nope' is not a layer"),
 ])
@@ -406,6 +410,23 @@ def test_validation_names_what_is_wrong(cnn_graph, change, message):
     hand = Plan(**{"dp": 4, "global_batch": 8, **change})
     with pytest.raises(PlanError, match=message):
         validate(hand, cnn_graph, spec)
+
+
+def test_the_search_splits_only_what_the_runtime_runs(cnn_graph):
+    """Convolutions split by channels only under DDP (sharding 0), dense layers only without spatial splits:
+    what ``hybridpar.parallelize`` refuses, the search never proposes."""
+    spec = small_cluster(8, per_node=8)
+    c = Constraints(global_batch=8)
+    conv, dense = (next(layer for layer in cnn_graph.layers if layer.kind == kind) for kind in ("conv", "linear"))
+
+    def strategies(layer, grid, sharding):
+        ctx = _context(spec, c, 2, grid, 2, 4, sharding=sharding)
+        return {o.strategy for o in layer_options(layer, cnn_graph, ctx, chain_only=True)}
+
+    assert strategies(conv, (1, 1, 1), 0) == strategies(dense, (1, 1, 1), 3) == {"replicate", "column", "row"}
+    assert strategies(conv, (1, 1, 1), 1) == strategies(conv, (1, 1, 1), 3) == {"replicate"}
+    assert strategies(conv, (2, 1, 1), 0) == {"replicate", "column", "row"}
+    assert strategies(dense, (2, 1, 1), 0) == {"replicate"}
 
 
 def test_validation_refuses_a_stage_inside_a_skip():

@@ -24,6 +24,7 @@ backward: the same mean DDP takes, without its overlap of communication and back
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -44,16 +45,21 @@ from hybridpar.plan.graph import ModelGraph, blocks
 from hybridpar.plan.types import SHARDING_NAMES, Plan
 
 WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
+BATCH_NORM_SCOPES = {"global": ("dp", "spatial"), "spatial": ("spatial",)}  # the mesh axes of the statistics
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                example_input: torch.Tensor | None = None) -> "ParallelModel":
+                example_input: torch.Tensor | None = None, batch_norm: str = "global") -> "ParallelModel":
     """``model`` run as ``plan`` says over ``mesh`` (axes ``pp, dp, spatial, tp``; built from the plan if
     ``None``). ``loss_fn(output, target)`` must be a mean over the samples. ``example_input`` (a tensor of
     one step's global batch, or any batch) is what the model is analysed with; by default a tensor of
-    ``plan.input_shape``, of token ids for a model that starts with an ``nn.Embedding``. ``model`` is
+    ``plan.input_shape``, of token ids for a model that starts with an ``nn.Embedding``. Under spatial
+    parallelism, batch-norm statistics are taken over the global batch (``batch_norm="global"``: the
+    ``dp x spatial`` ranks) or over each replica's (``"spatial"``: its spatial ranks). ``model`` is
     consumed: use the returned model's ``full_state_dict()`` to read its weights."""
+    if batch_norm not in BATCH_NORM_SCOPES:
+        raise PlanError(f"batch_norm = {batch_norm!r}: use one of {', '.join(BATCH_NORM_SCOPES)}")
     splits, groups = check_plan(model, plan, example_input)
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     params = {name for name, _ in model.named_parameters()}
@@ -66,13 +72,26 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     modules = {i: (pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model).to(device) for i in held}
     manual_sync = False
     for index, module in modules.items():
-        modules[index], manual = _build(module, plan, mesh, splits)
+        modules[index], manual = _build(module, plan, mesh, splits, BATCH_NORM_SCOPES[batch_norm])
         manual_sync = manual_sync or manual
-    schedule = None
+    schedule, loss_fn = None, _ScheduleLoss(loss_fn)
     if plan.pp > 1:
         schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
                                            mesh["pp"].get_group(), device)
-    return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync)
+    batch = replica_batch(plan, (example_input.shape if example_input is not None else plan.input_shape)[0])
+    return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch)
+
+
+class _ScheduleLoss:
+    """The loss function a pipeline's last stage calls per micro-batch, switched off (a zero) while
+    ``ParallelModel.predict`` runs the schedule for its outputs: PyTorch's schedules compute the loss
+    whenever they have a loss function, even in ``eval``."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.fn, self.off = fn, False
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output.new_zeros(()) if self.off else self.fn(output, target)
 
 
 def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None):
@@ -133,13 +152,18 @@ def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[
         if plan.stages:
             raise PlanError(f"the plan lists stage boundaries {list(plan.stages)} but pp=1; set pp or drop stages")
         return [list(graph.blocks)]
-    batch = graph.input_shape[0] // plan.dp if plan.global_batch <= 1 else plan.global_batch // plan.dp
+    batch = replica_batch(plan, graph.input_shape[0])
     if batch % plan.micro_batches:
         raise PlanError(f"a replica's batch of {batch} does not split into micro_batches={plan.micro_batches} "
                         "equal micro-batches; use a batch that is a multiple of micro_batches")
     groups = pipeline.stage_units(graph, plan.stages, plan.pp, plan.schedule)
     pipeline.check_micro_batches(plan.micro_batches, len(groups), plan.pp, plan.schedule)
     return groups
+
+
+def replica_batch(plan: Plan, example_batch: int) -> int:
+    """The samples of one replica per step: of the plan's global batch, or of the example input's."""
+    return (example_batch if plan.global_batch <= 1 else plan.global_batch) // plan.dp
 
 
 def _owners(names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
@@ -162,7 +186,8 @@ def _device(mesh: DeviceMesh) -> torch.device:
                                                                               torch.cuda.current_device())
 
 
-def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Split]) -> tuple[nn.Module, bool]:
+def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Split],
+           norm_axes: tuple[str, ...]) -> tuple[nn.Module, bool]:
     """Steps 3-6 of the module doc on one module (the model, or one pipeline stage); also whether the
     gradients need a manual all-reduce (tensor or pipeline parallelism under sharding 0)."""
     if splits:
@@ -171,7 +196,7 @@ def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Sp
         from hybridpar import spatial
 
         module = spatial.parallelize(module, mesh["spatial"], grid=plan.spatial,
-                                     batch_norm_mesh=mesh["dp", "spatial"])
+                                     batch_norm_mesh=mesh[norm_axes])
     held = [m for _, m in blocks(module) if not isinstance(m, nn.Identity)]
     if plan.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -198,9 +223,10 @@ class ParallelModel:
     micro-batches), leaving the gradients on the local parameters for any torch optimizer."""
 
     def __init__(self, modules: dict[int, nn.Module], schedule, plan: Plan, mesh: DeviceMesh, loss_fn,
-                 names: dict, params: set[str], owners: dict[str, int], manual_sync: bool):
+                 names: dict, params: set[str], owners: dict[str, int], manual_sync: bool, replica_batch: int):
         self.modules, self.schedule, self.plan, self.mesh = modules, schedule, plan, mesh
         self.loss_fn, self._manual_sync = loss_fn, manual_sync
+        self._replica_batch = replica_batch  # the batch the pipeline stages' buffers are shaped for
         self._names, self._params, self._owners = names, params, owners  # of the original model
         self._num_stages = len(modules) * plan.pp if plan.pp > 1 else 1
         self.device = _device(mesh)
@@ -234,18 +260,56 @@ class ParallelModel:
         """The loss of this replica's batch in evaluation mode (dropout off), forward only; the same on
         every rank of the replica."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
+        with self._evaluating():
+            if self.schedule is None:
+                return self.loss_fn(self.module(inputs), targets).detach()
+            return self._pipeline_step(inputs, targets, self.schedule.eval)
+
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output for this replica's ``inputs`` (any number of samples) in evaluation mode,
+        forward only, on every rank: a pipeline runs them in batches of the training step's size (its
+        stages' buffers have that shape) and its last stage broadcasts the output to the others."""
+        inputs = inputs.to(self.device)
+        with self._evaluating():
+            if self.schedule is None:
+                return self.module(inputs)
+            per, outputs = self._replica_batch, []
+            first, last = 0 in self.modules, self._num_stages - 1 in self.modules
+            self.loss_fn.off = True
+            try:
+                for start in range(0, len(inputs), per):
+                    chunk = inputs[start:start + per]
+                    padded = torch.cat([chunk, chunk[-1:].expand(per - len(chunk), *chunk.shape[1:])])
+                    output = self.schedule.eval(*((padded,) if first else ()),
+                                                target=torch.zeros(per, device=self.device) if last else None)
+                    outputs.append(self._from_last_stage(output)[:len(chunk)])
+            finally:
+                self.loss_fn.off = False
+            return torch.cat(outputs)
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        """Evaluation mode and no autograd; afterwards each module's mode as it was, FSDP resharded."""
         modes = [(m, m.training) for module in self.modules.values() for m in module.modules()]
         for module in self.modules.values():
             module.eval()
         try:
-            if self.schedule is None:
-                with torch.no_grad():
-                    return self.loss_fn(self.module(inputs), targets).detach()
-            return self._pipeline_step(inputs, targets, self.schedule.eval)
+            with torch.no_grad():
+                yield
         finally:
             for m, training in modes:
                 m.training = training
             self._reshard()
+
+    def _from_last_stage(self, output: torch.Tensor | None) -> torch.Tensor:
+        """The last pipeline stage's ``output`` on every rank of the pp group."""
+        group, owner = self.mesh["pp"].get_group(), self._last_stage_rank()
+        meta = [(tuple(output.shape), output.dtype) if output is not None else None]
+        dist.broadcast_object_list(meta, src=owner, group=group)
+        if output is None:
+            output = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+        dist.broadcast(output, src=owner, group=group)
+        return output
 
     def _reshard(self) -> None:
         """Free the parameters FSDP gathered for a forward without a backward (sharding 1 and 2 keep them
@@ -269,10 +333,12 @@ class ParallelModel:
         dtype = next(d for _, d in self._names.values() if d.is_floating_point)
         loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
         loss = loss.to(dtype)
-        group = self.mesh["pp"].get_group()
-        owner = (self._num_stages - 1) % self.plan.pp
-        dist.broadcast(loss, src=dist.get_global_rank(group, owner), group=group)
+        dist.broadcast(loss, src=self._last_stage_rank(), group=self.mesh["pp"].get_group())
         return loss
+
+    def _last_stage_rank(self) -> int:
+        """The global rank of this rank's pp group that runs the last pipeline stage."""
+        return dist.get_global_rank(self.mesh["pp"].get_group(), (self._num_stages - 1) % self.plan.pp)
 
     def _all_reduce_gradients(self) -> None:
         """The mean of every local gradient over ``dp x spatial``, flattened into buckets of at most

@@ -58,6 +58,7 @@ class MeshContext:
     norm_group: cost.Group
     overlap: bool
     sequence_parallel: bool = False  # replicated token-wise layers run on 1/tp of the tokens
+    sharded: bool = False  # FSDP / ZeRO shards the parameters over dp x spatial (no channel-split convs)
 
 def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
     """Refuse a spatial grid the runtime would refuse (a slab thinner than its halo, a layer that
@@ -152,13 +153,14 @@ def layer_options(layer: Layer, graph: ModelGraph, ctx: MeshContext, chain_only:
     """Every legal way to run ``layer`` on this mesh (replicate alone when tp is 1)."""
     scale = ctx.micro_batch / graph.batch
     fraction, halo_per_sample = _spatial(layer, ctx)
-    strategies = _strategies(layer, ctx.tp, chain_only)
+    strategies = _strategies(layer, ctx, chain_only)
     return tuple(_option(layer, ctx, s, scale, fraction, halo_per_sample) for s in strategies)
 
 
-def _strategies(layer: Layer, tp: int, chain_only: bool) -> list[tuple[str, str, str]]:
+def _strategies(layer: Layer, ctx: MeshContext, chain_only: bool) -> list[tuple[str, str, str]]:
     out = [("replicate", R, R)]
-    if tp == 1:
+    tp = ctx.tp
+    if tp == 1 or not splittable(layer, ctx):
         return out
     cin, cout = layer.channels
     if layer.kind in ("conv", "linear", "embedding"):  # what hybridpar.parallel.tensor splits
@@ -171,6 +173,16 @@ def _strategies(layer: Layer, tp: int, chain_only: bool) -> list[tuple[str, str,
     elif layer.kind in SHARDABLE and chain_only:
         out.append(("shard", S, S))
     return out
+
+
+def splittable(layer: Layer, ctx: MeshContext) -> bool:
+    """Whether the runtime (``hybridpar.parallelize``) can split ``layer`` over tp on this mesh: not a conv
+    whose parameters FSDP / ZeRO also shards, not a Linear or Embedding layer of a spatially split model."""
+    if layer.kind == "conv":
+        return not (ctx.sharded and ctx.norm_group.size > 1)
+    if layer.kind in ("linear", "embedding"):
+        return math.prod(ctx.grid) == 1
+    return True
 
 
 def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scale: float, fraction: float,

@@ -113,11 +113,11 @@ def micro_batch_counts(per_replica: int, pp: int, c: Constraints) -> list[int]:
 # --- per-layer strategies ------------------------------------------------------------------------
 
 def _context(cluster: ClusterSpec, c: Constraints, dp: int, grid: tuple[int, ...], tp: int,
-             micro_batch: int, sequence_parallel: bool = False) -> MeshContext:
+             micro_batch: int, sequence_parallel: bool = False, sharding: int = 0) -> MeshContext:
     s = math.prod(grid)
     return MeshContext(cluster, c.dtype, grid, tp, micro_batch, cost.Group.of(cluster, s, tp),
                        cost.Group.of(cluster, tp, 1), cost.Group.of(cluster, dp * s, tp), c.overlap_halo,
-                       sequence_parallel and tp > 1)
+                       sequence_parallel and tp > 1, sharding > 0)
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,8 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
             log.fail(mesh, f"spatial grid {'x'.join(map(str, grid))}: {err}")
             continue
         per_replica = c.global_batch // dp
-        _, whole = _chain(graph, cluster, c, mesh, per_replica, cache)  # the replica's batch in one micro-batch
+        # the replica's batch in one micro-batch, every split allowed: a lower bound for any sharding
+        _, whole = _chain(graph, cluster, c, mesh, per_replica, 0, cache)
         for m in micro_batch_counts(per_replica, pp, c):
             # Every cost is affine in the micro-batch with a non-negative constant, so one micro-batch of
             # 1/m of the samples takes at least 1/m of the time; a stage at least 1/pp of that.
@@ -352,10 +353,11 @@ class _Log:
         return out
 
 
-def _chain(graph, cluster, c, mesh, micro_batch, cache) -> tuple[Chain, Units]:
-    """The per-layer strategies of a mesh for one micro-batch size, and their units (cached)."""
+def _chain(graph, cluster, c, mesh, micro_batch, sharding, cache) -> tuple[Chain, Units]:
+    """The per-layer strategies of a mesh for one micro-batch size and sharding level, and their units
+    (cached)."""
     dp, grid, tp, _ = mesh
-    ctx = _context(cluster, c, dp, grid, tp, micro_batch)
+    ctx = _context(cluster, c, dp, grid, tp, micro_batch, sharding=sharding)
     key = ("units", ctx)
     if key not in cache:
         chain = best_chain(graph, ctx, cache)
@@ -367,7 +369,7 @@ def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) ->
     """The candidate priced, or not if the bound of its own per-layer times (checked before the cut
     search) cannot beat ``beat``."""
     dp, grid, tp, pp = mesh
-    chain, units = _chain(graph, cluster, c, mesh, c.global_batch // (dp * m), cache)
+    chain, units = _chain(graph, cluster, c, mesh, c.global_batch // (dp * m), z, cache)
     if len(units) < pp:
         return Candidate(mesh, m, z, ckpt, reason=f"pp={pp}: the model has only {len(units)} places to start a "
                                                   "stage")

@@ -8,7 +8,7 @@ from dataclasses import replace
 from hybridpar.errors import PlanError
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.layers import R, check_grid, transition
+from hybridpar.plan.layers import R, check_grid, splittable, transition
 from hybridpar.plan.search import Chain, Constraints, _context, _options, legal_starts, prediction_of, price
 from hybridpar.plan.types import SCHEDULES, SHARDING_NAMES, TP_STRATEGIES, Plan
 
@@ -24,7 +24,7 @@ def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | N
         wanted = strategies.get(layer.name, "replicate")
         choices = {o.strategy: o for o in _options(layer, graph, ctx, layer.inputs == (i - 1,), cache)}
         if wanted not in choices:
-            raise PlanError(_illegal(layer, wanted, ctx.tp, sorted(choices)))
+            raise PlanError(_illegal(layer, wanted, ctx, sorted(choices)))
         opt = choices[wanted]
         chained = i > 0 and (i - 1) in layer.inputs
         move = 0.0
@@ -42,9 +42,15 @@ def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | N
     return Chain(tuple(options), tuple(paid), tuple(layouts))
 
 
-def _illegal(layer, wanted: str, tp: int, allowed: list[str]) -> str:
+def _illegal(layer, wanted: str, ctx, allowed: list[str]) -> str:
+    tp = ctx.tp
     if wanted not in TP_STRATEGIES:
         return f"layer {layer.name!r}: tp strategy {wanted!r} is not one of {', '.join(TP_STRATEGIES)}"
+    if not splittable(layer, ctx):
+        why = (f"a spatially split model (spatial={list(ctx.grid)}) keeps its dense layers whole"
+               if layer.kind != "conv" else "FSDP / ZeRO (sharding > 0) does not run channel-split convolutions; "
+               "use sharding 0")
+        return f"layer {layer.name!r} ({layer.op}) cannot run {wanted!r}: {why}, or replicate the layer"
     why = {
         "column": f"its {layer.channels[1]} output features / channels do not split into {tp}",
         "row": f"its {layer.channels[0]} input features / channels do not split into {tp}",
@@ -68,7 +74,7 @@ def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_hal
                     overlap_halo=overlap_halo)
     mesh = (plan.dp, plan.spatial, plan.tp, plan.pp)
     ctx = _context(cluster, c, plan.dp, plan.spatial, plan.tp, plan.global_batch // (plan.dp * plan.micro_batches),
-                   plan.sequence_parallel)
+                   plan.sequence_parallel, plan.sharding)
     chain = chain_of(graph, ctx, dict(plan.layers))
     cuts = _cuts(plan, graph, chain)
     step, memory, comm = price(graph, cluster, c, mesh, plan.micro_batches, plan.sharding, plan.checkpointing,

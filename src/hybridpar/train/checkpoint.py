@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hybridpar.errors import ConfigError
+from hybridpar.parallel import checkpoint as sharded
 
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -38,14 +40,10 @@ def due(done: int, every: int, stop: int, total: int) -> bool:
     return (every > 0 and done % every == 0) or done == stop or done == total
 
 
-def _state(model, optimizer) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def save(directory: Path, step: int, model, optimizer, *, keep: int) -> Path:
-    """Write the checkpoint of ``step`` of a model and its optimizer (collective over all ranks)."""
-    return save_state(directory, step, _state(model, optimizer), keep=keep)
+def save(directory: Path, step: int, parallel, optimizer, *, keep: int) -> Path:
+    """Write the checkpoint of ``step`` of a ``ParallelModel`` and its optimizer in global shapes (any plan
+    and world size can resume from it; collective over all ranks)."""
+    return save_state(directory, step, sharded.state_dict(parallel, optimizer), keep=keep)
 
 
 def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
@@ -69,12 +67,20 @@ def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
     return final
 
 
-def load(path: Path, model, optimizer) -> int:
-    """Load a checkpoint into ``model`` and ``optimizer`` (collective); returns its step."""
-    state = _state(model, optimizer)
-    step = load_state(path, state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return step
+def load(path: Path, parallel, optimizer) -> int:
+    """Load a checkpoint written under any plan into a ``ParallelModel`` and its optimizer, resharded
+    (collective); returns its step."""
+    _check_layout(path)
+    sharded.init_optimizer_state(optimizer)
+    return load_state(path, sharded.state_dict(parallel, optimizer))
+
+
+def _check_layout(path: Path) -> None:
+    """Refuse a checkpoint of the layout before plans (optimizer state under ``optim``), in words."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if any(key.startswith("optim.") for key in keys) and not any(key.startswith("optimizer.") for key in keys):
+        raise ConfigError(f"{path} was written by an earlier hybridpar, in a layout this one cannot resume; "
+                          "finish that run with the version that started it, or start a new run")
 
 
 def load_state(path: Path, state: dict) -> int:

@@ -19,15 +19,12 @@ import torch.distributed as dist
 
 from hybridpar import parallelize
 from hybridpar.data.tokens import MarkovTokens
-from hybridpar.errors import ConfigError, PlanError
 from hybridpar.mesh import build_mesh
 from hybridpar.models.gpt import lm_loss
-from hybridpar.parallel import checkpoint as sharded
-from hybridpar.parallel.apply import check_plan
 from hybridpar.plan import Plan
 from hybridpar.train import checkpoint, planning
 from hybridpar.train.config import Config, model_factory, model_options
-from hybridpar.train.loop import mean_over_dp
+from hybridpar.train.loop import check_same_plan, mean_over_dp
 from hybridpar.train.metrics import MetricsLog
 from hybridpar.train.optim import build_optimizer, learning_rate, set_learning_rate
 from hybridpar.train.progress import Progress
@@ -45,26 +42,12 @@ def example_input(config: Config, model) -> torch.Tensor:
     return torch.zeros(config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
 
 
-def check(config: Config, world_size: int) -> tuple[Config, Plan]:
+def check(config: Config, world_size: int) -> Plan:
     """The checks that need no process group: the model (on the meta device) and the plan for
     ``world_size`` processes (searched, read, or from ``[mesh]``), priced and checked against the model."""
     with torch.device("meta"):
         model = build_model(config)
-    example = example_input(config, model)
-    config, plan = planning.apply(config, model, example, world_size)
-    if plan is None:
-        mesh = config.mesh
-        if mesh.dp != world_size:
-            raise ConfigError(f"mesh.dp = {mesh.dp}, but the world size is {world_size}; set mesh.dp = {world_size}, "
-                              "or plan = \"auto\" (with cluster) for tensor and pipeline parallelism")
-        plan = Plan(dp=mesh.dp, sharding=3 if mesh.data_parallel == "fsdp" else 0, global_batch=config.train.batch_size,
-                    input_shape=tuple(example.shape), dtype=config.train.dtype, optimizer=config.optimizer.name,
-                    model="gpt")
-    try:
-        check_plan(model, plan, example)
-    except PlanError as err:
-        raise PlanError(f"{config.plan or '[mesh]'}: {err}") from None
-    return config, plan
+    return planning.plan_for(config, model, example_input(config, model), world_size)
 
 
 @dataclass
@@ -78,8 +61,8 @@ class LMRun:
 
 
 def setup(config: Config) -> LMRun:
-    config, plan = check(config, dist.get_world_size())
-    _check_same_plan(plan)  # before the mesh: ranks with other plans would wait for each other
+    plan = check(config, dist.get_world_size())
+    check_same_plan(config, plan)  # before the mesh: ranks with other plans would wait for each other
     model = build_model(config).to(DTYPES[config.train.dtype])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = build_mesh(plan.dims, dist.get_world_size(), device)
@@ -88,15 +71,6 @@ def setup(config: Config) -> LMRun:
     optimizer = build_optimizer(parallel.parameters(), config.optimizer)
     task = MarkovTokens(model.config.vocab_size, model.config.seq_len, config.seed)
     return LMRun(config, plan, parallel, optimizer, task, config.train.steps)
-
-
-def _check_same_plan(plan: Plan) -> None:
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, plan.to_json())
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise ConfigError(f"rank {rank} took another plan than rank 0; put the plan and cluster files where "
-                              "every rank reads the same ones")
 
 
 def _replica_rows(run: LMRun, batch: tuple[torch.Tensor, torch.Tensor]):
@@ -133,10 +107,7 @@ def train(config: Config, resume_from: Path | None, *, stop_after: int | None, s
     """Train on this rank; returns the run's summary (on every rank)."""
     run = setup(config)
     config = run.config
-    start = 0
-    if resume_from:
-        sharded.init_optimizer_state(run.optimizer)
-        start = checkpoint.load_state(resume_from, sharded.state_dict(run.parallel, run.optimizer))
+    start = checkpoint.load(resume_from, run.parallel, run.optimizer) if resume_from else 0
     stop = min(run.total_steps, stop_after or run.total_steps)
     is_root = dist.get_rank() == 0
     run_dir = Path(config.run_dir)
@@ -160,9 +131,8 @@ def train(config: Config, resume_from: Path | None, *, stop_after: int | None, s
             progress.advance(record)
             summary["loss"] = loss
             if checkpoint.due(done, config.checkpoint.every, stop, run.total_steps):
-                state = sharded.state_dict(run.parallel, run.optimizer)
-                summary["checkpoint"] = str(checkpoint.save_state(run_dir / "checkpoints", done, state,
-                                                                  keep=config.checkpoint.keep))
+                summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.parallel,
+                                                            run.optimizer, keep=config.checkpoint.keep))
             if checkpoint.due(done, config.validation.every, stop, run.total_steps):
                 summary["val"] = validate(run)
                 log.log({"step": done, "split": "val", **summary["val"]})

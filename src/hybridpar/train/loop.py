@@ -1,11 +1,11 @@
 """The training loop of ``hybridpar train``: one call per rank, inside an initialised process group.
 
-Order of work: check the config, the data files and the geometry on every rank (identically, before
-any communication), and with ``plan`` set let the planner give the mesh (``train/planning.py``); build
-the model from the seed (the same weights on every rank); convert it for spatial parallelism and wrap
-it for data parallelism over ``dp x spatial``; then train. Step ``s`` (0-based) reseeds the random
-generators from ``(seed, s, rank)`` and reads batch ``s`` of the deterministic sampler, so a run
-resumed from a checkpoint repeats the uninterrupted run exactly.
+Order of work: check the config, the data files, the plan (searched, read, or ``[mesh]``'s:
+``train/planning.py``) and the geometry on every rank (identically, before any communication); build the
+model from the seed (the same weights on every rank) and apply the plan with ``hybridpar.parallelize``;
+then train. Step ``s`` (0-based) reseeds the random generators from ``(seed, s, rank)`` and reads batch
+``s`` of the deterministic sampler, so a run resumed from a checkpoint, under this plan or another,
+repeats the uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import inspect
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,10 +24,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridpar import spatial
+from hybridpar.parallel.apply import ParallelModel, parallelize
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
 from hybridpar.errors import ConfigError, DataError
-from hybridpar.mesh import ParallelDims, build_mesh
-from hybridpar.parallel.data import data_parallel, flat_group
+from hybridpar.mesh import build_mesh
+from hybridpar.parallel.data import flat_group
 from hybridpar.plan import Plan
 from hybridpar.spatial.geometry import Grid
 from hybridpar.train import checkpoint, planning
@@ -98,17 +100,22 @@ class Run:
     """Everything one rank needs to train: the parallel model and where its data and outputs go."""
 
     config: Config
-    dims: ParallelDims
-    mesh: object
-    model: torch.nn.Module
+    plan: Plan
+    parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     train_set: SlabDataset
     val_set: SlabDataset | None
     loader: SlabLoader
     total_steps: int
     loss_name: str
-    device: torch.device
-    plan: Plan | None = None  # the planner's plan, when the config has one (it gave config.mesh)
+
+    @property
+    def mesh(self):
+        return self.parallel.mesh
+
+    @property
+    def device(self) -> torch.device:
+        return self.parallel.device
 
     @property
     def spatial_mesh(self):
@@ -116,71 +123,68 @@ class Run:
 
     @property
     def dp(self) -> tuple[int, int]:
-        return self.dims.dp, self.mesh["dp"].get_local_rank()
+        return self.plan.dp, self.mesh["dp"].get_local_rank()
 
     @property
     def grid(self) -> Grid:
-        return Grid(self.dims.spatial)
+        return Grid(self.plan.spatial)
 
 
 class Checked(NamedTuple):
     train_set: SlabDataset | None  # None: a GPT's synthetic token task
     val_set: SlabDataset | None
     loss_name: str
-    config: Config  # with the mesh of the plan, if the config has one
-    plan: Plan | None
+    plan: Plan
 
 
 def check(config: Config, world_size: int) -> Checked:
     """The checks that need no process group: data files, the loss, the model (built on the meta
-    device), the plan (searched or read, for ``world_size`` processes), the split of the samples.
-    ``hybridpar train`` runs them before starting workers, and every worker runs them again before any
-    communication."""
+    device), the plan (searched, read or from ``[mesh]``, for ``world_size`` processes, checked against
+    the model as ``hybridpar.parallelize`` will apply it), the split of the samples. ``hybridpar train``
+    runs them before starting workers, and every worker runs them again before any communication."""
     if config.model.name == "gpt":
         from hybridpar.train import lm
 
-        config, plan = lm.check(config, world_size)
-        return Checked(None, None, "cross_entropy", config, plan)
+        return Checked(None, None, "cross_entropy", lm.check(config, world_size))
     train_set, val_set = datasets(config, DTYPES[config.train.dtype])
     loss_name = config.train.loss or DEFAULT_LOSS[config.model.name]
     _check_loss(config, loss_name)
     with torch.device("meta"):
-        model = build_model(config, train_set)
-    config, plan = planning.apply(config, model, (config.train.batch_size, *train_set.sample_shape), world_size)
-    Grid(config.mesh.spatial).check_shape(train_set.sample_shape[1:], "mesh.spatial")
-    return Checked(train_set, val_set, loss_name, config, plan)
+        model = build_model(config, train_set).to(DTYPES[config.train.dtype])
+    example = torch.empty(config.train.batch_size, *train_set.sample_shape, device="meta")
+    plan = planning.plan_for(config, model, example, world_size)
+    Grid(plan.spatial).check_shape(train_set.sample_shape[1:], "mesh.spatial")
+    return Checked(train_set, val_set, loss_name, plan)
 
 
 def setup(config: Config) -> Run:
     """Check everything, then build the mesh, the parallel model, its optimizer and the data loader."""
-    train_set, val_set, loss_name, config, plan = check(config, dist.get_world_size())
-    dims = ParallelDims(dp=config.mesh.dp, spatial=config.mesh.spatial)
-    dims.check_world_size(dist.get_world_size())
-    _check_same_plan(config, plan)  # before the mesh: ranks with other meshes would wait for each other
-    dtype = DTYPES[config.train.dtype]
-    model = build_model(config, train_set).to(dtype)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = build_mesh(dims, dist.get_world_size(), device.type)
-    bn_mesh = mesh["dp", "spatial"] if config.mesh.batch_norm == "global" else None
-    model = spatial.parallelize(model.to(device), mesh["spatial"], grid=dims.spatial, batch_norm_mesh=bn_mesh)
-    model = data_parallel(model, mesh, kind=config.mesh.data_parallel)
-    optimizer = build_optimizer(model.parameters(), config.optimizer)
-    loader = SlabLoader(train_set, batch_size=config.train.batch_size, dp=(dims.dp, mesh["dp"].get_local_rank()),
-                        grid=Grid(dims.spatial), spatial_rank=mesh["spatial"].get_local_rank(), seed=config.seed,
+    train_set, val_set, loss_name, plan = check(config, dist.get_world_size())
+    check_same_plan(config, plan)  # before the mesh: ranks with other plans would wait for each other
+    model = build_model(config, train_set).to(DTYPES[config.train.dtype])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = build_mesh(plan.dims, dist.get_world_size(), device)
+    parallel = parallelize(model, plan, mesh, loss_fn=partial(loss_fn, loss_name, mesh["spatial"]),
+                           example_input=torch.empty(plan.input_shape, device="meta"),
+                           batch_norm=config.mesh.batch_norm)
+    optimizer = build_optimizer(parallel.parameters(), config.optimizer)
+    loader = SlabLoader(train_set, batch_size=config.train.batch_size, dp=(plan.dp, mesh["dp"].get_local_rank()),
+                        grid=Grid(plan.spatial), spatial_rank=mesh["spatial"].get_local_rank(), seed=config.seed,
                         prefetch=config.data.prefetch)
     total = config.train.steps or config.train.epochs * loader.steps_per_epoch
-    return Run(config, dims, mesh, model, optimizer, train_set, val_set, loader, total, loss_name, device, plan)
+    return Run(config, plan, parallel, optimizer, train_set, val_set, loader, total, loss_name)
 
 
-def loss_fn(run: Run, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The loss of this dp group's batch, the same value on every rank of the spatial group."""
-    if run.loss_name == "mse":
+def loss_fn(name: str, spatial_mesh, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss ``name`` of a replica's batch (or micro-batch), the same value on every rank of its
+    spatial group."""
+    if name == "mse":
         return F.mse_loss(output, target)  # the head's output is replicated on the spatial group
     loss = 0
-    if "cross_entropy" in run.loss_name:
-        loss = loss + spatial.cross_entropy(output, target, run.spatial_mesh)
-    if "dice" in run.loss_name:
-        loss = loss + spatial.dice_loss(output, target, run.spatial_mesh)
+    if "cross_entropy" in name:
+        loss = loss + spatial.cross_entropy(output, target, spatial_mesh)
+    if "dice" in name:
+        loss = loss + spatial.dice_loss(output, target, spatial_mesh)
     return loss
 
 
@@ -198,10 +202,8 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + dist.get_rank())  # dropout masks of this step
-    run.model.train()
-    loss = loss_fn(run, run.model(x.to(run.device)), y.to(run.device))
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss = run.parallel.train_step(x, y)
     run.optimizer.step()
     return mean_over_dp(run.mesh, loss), lr
 
@@ -210,13 +212,12 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[f
 def validate(run: Run) -> dict:
     """Validation metrics over the whole validation set: MAE (and MSE) of the regressed parameters for
     CosmoFlow; the Dice score of each foreground class (and their mean) for the U-Net."""
-    run.model.eval()
     batch = run.config.validation.batch_size or run.config.train.batch_size
     limit = run.config.validation.max_samples
     sums = 0
     for x, y, num_valid in agreed(run, eval_batches(run.val_set, batch_size=batch, dp=run.dp, grid=run.grid,
                                                     spatial_rank=run.spatial_mesh.get_local_rank(), limit=limit)):
-        out, y = run.model(x.to(run.device))[:num_valid].double(), y[:num_valid].to(run.device)
+        out, y = run.parallel.predict(x)[:num_valid].double(), y[:num_valid].to(run.device)
         sums = sums + (_regression_sums(out, y) if run.loss_name == "mse" else _dice_sums(out, y))
     if run.loss_name == "mse":
         dist.all_reduce(sums, group=run.mesh["dp"].get_group())
@@ -272,16 +273,15 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
 
         return lm.train(config, resume_from, stop_after=stop_after, show=show)
     run = setup(config)
-    config = run.config  # with the plan's mesh
     _check_same_data(run)
-    start = checkpoint.load(resume_from, run.model, run.optimizer) if resume_from else 0
+    start = checkpoint.load(resume_from, run.parallel, run.optimizer) if resume_from else 0
     stop = min(run.total_steps, stop_after or run.total_steps)
     is_root = dist.get_rank() == 0
     run_dir = Path(config.run_dir)
     if is_root:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if run.plan is not None:
-            (run_dir / "plan.json").write_text(run.plan.to_json() + "\n")
+        (run_dir / "plan.json").write_text(run.plan.to_json() + "\n")
+        if config.plan:
             print(planning.describe(config, run.plan, str(run_dir / "plan.json")), flush=True)
     log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root,
                      tensorboard=config.metrics.tensorboard and is_root, resume_step=start if resume_from else None)
@@ -289,8 +289,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
         _report_skipped(run)
     progress = Progress(run, start, stop, show=show and is_root)
     summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
-               "mesh": f"dp={run.dims.dp} x spatial={'x'.join(map(str, run.dims.spatial))}, "
-                       f"{config.mesh.data_parallel}"}
+               "mesh": run.plan.describe()}
     begin = time.perf_counter()
     with progress:
         for step, x, y in agreed(run, run.loader.batches(start, stop)):
@@ -303,7 +302,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
             summary["loss"] = loss
             # the checkpoint first: a validation file that fails to read then loses no training
             if checkpoint.due(done, config.checkpoint.every, stop, run.total_steps):
-                summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.model,
+                summary["checkpoint"] = str(checkpoint.save(run_dir / "checkpoints", done, run.parallel,
                                                             run.optimizer, keep=config.checkpoint.keep))
             if run.val_set is not None and checkpoint.due(done, config.validation.every, stop, run.total_steps):
                 summary["val"] = validate(run)
@@ -374,19 +373,17 @@ def _check_same_data(run: Run) -> None:
                             f"{counts[0]} vs {counts[1]}); put the data where every rank sees the same files")
 
 
-def _check_same_plan(config: Config, plan: Plan | None) -> None:
-    """Every rank must have taken the same mesh from its plan: the planner is deterministic, but the
-    ranks could read different cluster or plan files (not on a shared filesystem)."""
-    if plan is None:
-        return
-    mine = (config.mesh.dp, tuple(config.mesh.spatial), config.mesh.data_parallel)
+def check_same_plan(config: Config, plan: Plan) -> None:
+    """Every rank must have taken the same plan: the planner is deterministic, but the ranks could read
+    different cluster or plan files (not on a shared filesystem)."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, plan.to_json())
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
-            raise ConfigError(f"rank {rank} took another mesh from plan = {config.plan!r} than rank 0 ({theirs} vs "
-                              f"{everyone[0]}: dp, spatial, data_parallel); put the plan and cluster files where "
-                              f"every rank reads the same ones")
+            source = f"plan = {config.plan!r}" if config.plan else "[mesh]"
+            raise ConfigError(f"rank {rank} took another plan from {source} than rank 0 "
+                              f"({Plan.from_json(theirs).describe()} vs {Plan.from_json(everyone[0]).describe()}); "
+                              "put the config, plan and cluster files where every rank reads the same ones")
 
 
 def _gather(value: int) -> list[int]:

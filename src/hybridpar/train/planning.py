@@ -1,4 +1,4 @@
-"""The mesh of a training run chosen by the planner: ``plan = "auto"`` or a plan file in the config.
+"""The plan of a training run: chosen by the planner (``plan = "auto"``), read from a plan file, or ``[mesh]``.
 
 The planner is pure and deterministic, so every rank runs it itself, identically, before any
 communication: under ``torchrun`` there is no process of ours above the ranks to run it once, and
@@ -6,10 +6,9 @@ broadcasting rank 0's plan would put a collective before the checks (a mistake o
 then be a hang, not an error). ``hybridpar train`` on local workers runs it once more in the command,
 before starting them, so that a mistake (or no plan that fits) costs no worker start.
 
-The search is limited to what the runtime can apply. A GPT runs through ``hybridpar.parallelize``, which
-applies every plan: data, sharded data (ZeRO 1-3), tensor and pipeline parallelism, checkpointing. The
-volume models' loop applies ``dp x spatial`` with DDP (sharding 0) or FSDP (sharding 3) only; a plan file
-asking them for more is refused, naming the field.
+Without ``plan``, the ``[mesh]`` section is the plan: ``dp x spatial`` with DDP or FSDP. Every plan runs
+through ``hybridpar.parallelize``: data, sharded data (ZeRO 1-3), spatial, tensor (filter / channel splits
+of convolutions), pipeline parallelism and activation checkpointing, so the search covers all of them.
 """
 
 from __future__ import annotations
@@ -24,33 +23,44 @@ from hybridpar.errors import ClusterError, ConfigError, MeshError, PlanError
 from hybridpar.plan import Plan, check_grid, cluster_of, graph_of
 from hybridpar.plan import plan as search_best
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.types import SHARDING_NAMES
 from hybridpar.train.config import Config
 
-RUNTIME_CONSTRAINTS = dict(tp=1, pp=1, sharding=(0, 3), checkpointing=(False,))
-DATA_PARALLEL = {0: "ddp", 3: "fsdp"}  # plan.sharding -> mesh.data_parallel
 PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'
 GiB = 2**30
 
 
-def apply(config: Config, model: nn.Module, example_input, world_size: int) -> tuple[Config, Plan | None]:
-    """``config`` with ``mesh.dp`` (and for the volume models ``mesh.spatial`` and ``mesh.data_parallel``)
-    taken from its plan (searched, or read from the plan file and checked), and that plan; ``(config,
-    None)`` without one. ``model`` may live on the meta device; ``example_input`` is one step's global batch
-    (a shape, or a tensor of token ids)."""
-    if not config.plan:
-        return config, None
-    graph = graph_of(model, example_input, config.train.dtype)
-    plan = _search(config, graph, world_size) if config.plan == "auto" else _from_file(config, graph, world_size)
-    plan = replace(plan, model=config.model.name)
-    if config.model.name == "gpt":
-        return replace(config, mesh=replace(config.mesh, dp=plan.dp)), plan
-    mesh = replace(config.mesh, dp=plan.dp, spatial=plan.spatial, data_parallel=DATA_PARALLEL[plan.sharding])
-    return replace(config, mesh=mesh), plan
+def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -> Plan:
+    """The run's plan for ``world_size`` processes: searched (``plan = "auto"``), read from the plan file and
+    checked, or the ``[mesh]`` section's. ``model`` may live on the meta device; ``example_input`` is one
+    step's global batch (a tensor: of token ids for a GPT, else on the meta device). The plan is checked
+    against the model as ``hybridpar.parallelize`` will apply it."""
+    from hybridpar.parallel.apply import check_plan
+
+    if config.plan:
+        graph = graph_of(model, example_input, config.train.dtype)
+        plan = _search(config, graph, world_size) if config.plan == "auto" else _from_file(config, graph, world_size)
+        plan = replace(plan, model=config.model.name)
+    else:
+        plan = mesh_plan(config, tuple(example_input.shape), world_size)
+    try:
+        check_plan(model, plan, example_input)
+    except PlanError as err:
+        raise PlanError(f"{config.plan or '[mesh]'}: {err}") from None
+    return plan
 
 
-def _runtime_constraints(config: Config) -> dict:
-    return {} if config.model.name == "gpt" else RUNTIME_CONSTRAINTS
+def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int) -> Plan:
+    """The plan of the ``[mesh]`` section: ``dp x spatial`` (a GPT: ``dp``), DDP or FSDP."""
+    mesh = config.mesh
+    spatial = (1,) if config.model.name == "gpt" else tuple(mesh.spatial)
+    total = mesh.dp * math.prod(spatial)
+    if total != world_size:
+        degrees = "mesh.dp" if config.model.name == "gpt" else "mesh.dp x prod(mesh.spatial)"
+        raise ConfigError(f"{degrees} = {total}, but the world size is {world_size}; change [mesh] so that it "
+                          f"makes {world_size}, or set plan = \"auto\" (with cluster) to let the planner choose")
+    return Plan(dp=mesh.dp, spatial=spatial, sharding=3 if mesh.data_parallel == "fsdp" else 0,
+                global_batch=config.train.batch_size, input_shape=input_shape, dtype=config.train.dtype,
+                optimizer=config.optimizer.name, model=config.model.name)
 
 
 def _cluster(config: Config, world_size: int):
@@ -63,13 +73,8 @@ def _cluster(config: Config, world_size: int):
 
 def _search(config: Config, graph: ModelGraph, world_size: int) -> Plan:
     spec = _cluster(config, world_size)
-    try:  # the runtime, not the user, limits the search: the no-fit message suggests devices or batch only
-        return search_best(graph, None, spec, global_batch=config.train.batch_size, dtype=config.train.dtype,
-                           optimizer=config.optimizer.name, hints=("devices", "batch"), **_runtime_constraints(config))
-    except PlanError as err:
-        if config.model.name == "gpt":
-            raise
-        raise PlanError(f"{err}; training searches dp x spatial meshes with DDP or FSDP only") from None
+    return search_best(graph, None, spec, global_batch=config.train.batch_size, dtype=config.train.dtype,
+                       optimizer=config.optimizer.name, hints=("devices", "batch"))
 
 
 def read_plan_file(path: str) -> tuple[Plan, set[str]]:
@@ -83,28 +88,8 @@ def read_plan_file(path: str) -> tuple[Plan, set[str]]:
     return plan, set(json.loads(text))
 
 
-def check_runtime(plan: Plan, where: str) -> None:
-    """Refuse what the training runtime cannot apply yet, naming the plan's field."""
-    if plan.tp != 1:
-        raise PlanError(f"{where}: tp = {plan.tp}: training cannot apply tensor parallelism yet; use a plan with "
-                        f"tp = 1 (hybridpar plan --tp 1)")
-    if plan.pp != 1:
-        raise PlanError(f"{where}: pp = {plan.pp}: training cannot apply pipeline parallelism yet; use a plan with "
-                        f"pp = 1 (hybridpar plan --pp 1)")
-    if plan.sharding not in DATA_PARALLEL:
-        name = f" ({SHARDING_NAMES[plan.sharding]})" if plan.sharding in SHARDING_NAMES else ""
-        raise PlanError(f"{where}: sharding = {plan.sharding!r}{name}: training cannot apply it yet; use sharding 0 "
-                        f"(DDP) or 3 (FSDP) (hybridpar plan --sharding 0,3)")
-    if plan.checkpointing:
-        raise PlanError(f"{where}: checkpointing = true: training cannot recompute activations yet; set it to false "
-                        f"(hybridpar plan --no-checkpointing)")
-    if plan.micro_batches != 1 or plan.stages:
-        raise PlanError(f"{where}: micro_batches = {plan.micro_batches}, stages = {list(plan.stages)}: without "
-                        f"pipeline stages use micro_batches = 1 and stages = []")
-
-
 def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
-    """The plan file checked against the runtime, the world size, the config and the model; priced on
+    """The plan file checked against the world size, the config and the model; priced on
     ``config.cluster`` if given (else it keeps the prediction it was written with)."""
     where = config.plan
     plan, stated = read_plan_file(where)
@@ -112,8 +97,6 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
         plan.dims  # each degree a whole number >= 1
     except MeshError as err:
         raise PlanError(f"{where}: {err}") from None
-    if config.model.name != "gpt":
-        check_runtime(plan, where)
     if plan.world_size != world_size:
         raise PlanError(f"{where}: the plan ({plan.describe()}) needs {plan.world_size} processes, but the world "
                         f"size is {world_size}; run it on {plan.world_size} (--nproc {plan.world_size}, or torchrun "
