@@ -97,6 +97,9 @@ def test_link_collective_fallbacks():
     assert (link.bus_bandwidth, link.step_latency) == (100 * GB, 3e-6)
     link = Link(bandwidth=100 * GB, latency=3e-6, collective_bandwidth=80 * GB, collective_latency=5e-6)
     assert (link.bus_bandwidth, link.step_latency) == (80 * GB, 5e-6)
+    assert link.collective("all_reduce") == link.collective("all_gather") == link.collective("reduce_scatter")
+    link = dataclasses.replace(link, reduce_scatter_bandwidth=20 * GB, all_gather_latency=9e-6)
+    assert link.collective("reduce_scatter") == (5e-6, 20 * GB) and link.collective("all_gather") == (9e-6, 80 * GB)
 
 
 def test_specs_are_frozen_and_hashable():
@@ -153,7 +156,8 @@ def test_toml_round_trip_of_every_preset(name, tmp_path):
 
 
 def test_toml_round_trip_is_exact_for_awkward_numbers():
-    link = Link(bandwidth=1 / 3 * GB, latency=0.1 + 0.2, collective_bandwidth=1e-7, collective_latency=7.123456789e-6)
+    link = Link(bandwidth=1 / 3 * GB, latency=0.1 + 0.2, collective_bandwidth=1e-7, collective_latency=7.123456789e-6,
+                all_gather_bandwidth=2 / 3 * GB, reduce_scatter_latency=1 / 9 * 1e-3)
     spec = dataclasses.replace(A100, name='odd "name" \\ tab\t', device_memory=math.pi * GiB,
                                reserved_memory=0.0, memory_bandwidth=2039.000000001 * GB,
                                peak_flops={"float64": 1 / 7 * TFLOPS, "float16": 123456789.123456789e12},
@@ -252,6 +256,9 @@ def test_fits_recover_the_model():
     ring = tuple(2 * (n - 1) * 50e-6 + 2 * (n - 1) / n * b / 1.5e9 for b in sizes)
     step_latency, bus_bandwidth = fit_ring(sizes, ring, n)
     assert step_latency == pytest.approx(50e-6, rel=1e-3) and bus_bandwidth == pytest.approx(1.5e9, rel=1e-6)
+    half = tuple((n - 1) * 70e-6 + (n - 1) / n * b / 0.5e9 for b in sizes)  # an all-gather / reduce-scatter
+    step_latency, bus_bandwidth = fit_ring(sizes, half, n, "reduce_scatter")
+    assert step_latency == pytest.approx(70e-6, rel=1e-3) and bus_bandwidth == pytest.approx(0.5e9, rel=1e-6)
     with pytest.raises(HybridparError, match="point-to-point times did not grow with the message size"):
         fit_p2p(sizes, tuple(1e-3 for _ in sizes))
 
@@ -274,6 +281,8 @@ def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, c
     assert all(ops.count(op) == 2 for op in ops)
     link = spec.intra_node
     assert 0 < link.latency < 0.1 and 0 < link.step_latency < 0.1 and link.bandwidth > 1e6 and link.bus_bandwidth > 1e6
+    for kind in ("all_gather", "reduce_scatter"):  # measured, not the all-reduce's
+        assert getattr(link, f"{kind}_bandwidth") > 1e6 and 0 < getattr(link, f"{kind}_latency") < 0.1
     assert "inter_node = intra_node" in out.read_text()
 
     before = out.read_text()

@@ -119,6 +119,12 @@ def test_collective_formulas():
     group = cost.Group(4, Link(bandwidth=1e9, latency=1e-6))
     assert cost.all_reduce_time(8e6, group) == pytest.approx(4e-6 + 1.5 * 8e6 / 1e9)  # log2(4) = 2 < 3 steps
     assert cost.all_gather_time(8e6, group) == pytest.approx(2e-6 + 0.75 * 8e6 / 1e9)
+    assert cost.reduce_scatter_time(8e6, group) == cost.all_gather_time(8e6, group)  # half a ring each
+    measured = cost.Group(4, Link(bandwidth=1e9, latency=1e-6, reduce_scatter_bandwidth=0.25e9,
+                                  reduce_scatter_latency=5e-6, all_gather_latency=3e-6))
+    assert cost.reduce_scatter_time(8e6, measured) == pytest.approx(10e-6 + 0.75 * 8e6 / 0.25e9)  # its own rates
+    assert cost.all_gather_time(8e6, measured) == pytest.approx(6e-6 + 0.75 * 8e6 / 1e9)  # bandwidth: all-reduce's
+    assert cost.gradient_sync_time(8e6, measured, 1.0, 2) > cost.gradient_sync_time(8e6, measured, 1.0, 0)
     assert [cost.collective_steps(n) for n in (1, 2, 3, 4, 5, 1024)] == [0, 1, 2, 2, 3, 10]
     assert cost.send_time(1e6, group.link) == pytest.approx(1e-6 + 1e-3)
     assert cost.all_reduce_time(8e6, cost.Group(1, group.link)) == 0.0

@@ -22,7 +22,8 @@ oversubscription and shared memory bandwidth are measured, not assumed. Per work
 Each timed repeat starts after a barrier; a worker's number is the median of its repeats, the machine's the
 median over workers. Communication: ping-pong between ranks 0 and 1 over message sizes, fitted to
 ``latency + bytes / bandwidth``; all-reduce over all N ranks, fitted to the ring model
-``2(N-1) step_latency + 2(N-1)/N bytes / bus_bandwidth``; the wait of an exchange that follows compute
+``2(N-1) step_latency + 2(N-1)/N bytes / bus_bandwidth``, and all-gather and reduce-scatter to half of it,
+each with its own rates (on gloo a reduce-scatter takes longer than an all-reduce); the wait of an exchange that follows compute
 (``sync_wait``, ``_sync_wait``). With N = 1 there is nobody to talk to: compute is measured by one worker
 alone, communication by a second launch of 2 workers (and ``sync_wait`` is 0). One machine has no
 inter-node link: ``inter_node`` is a copy of ``intra_node`` (said in the TOML file's header).
@@ -111,6 +112,7 @@ OP_BENCHMARKS = (
 )
 FAST_CONV_MIN = 20480  # PyTorch's CPU rule: a batch of 1 takes oneDNN only when N*C*D*H of the input exceeds this
 SMALL_BYTES = 256  # messages up to this size give the latency
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SYNC_CONV_INPUT = (2, 16, 16, 32, 32)  # the conv each rank runs before the exchanges of _sync_wait (a few ms)
 
 
@@ -147,8 +149,8 @@ class Calibration:
     conv_flops: float
     sizes: tuple[int, ...]  # message bytes
     p2p_times: tuple[float, ...]  # one-way seconds per size
-    allreduce_times: tuple[float, ...]  # seconds per all-reduce of that many bytes
-    allreduce_ranks: int
+    collective_times: dict[str, tuple[float, ...]]  # COLLECTIVES -> seconds per collective of that many bytes
+    collective_ranks: int
     notes: tuple[str, ...]
     comment: str  # the header of the TOML file
 
@@ -318,7 +320,7 @@ def _measure_comm(settings: Settings) -> dict:
     rank = dist.get_rank()
     p2p = _ping_pong(settings, rank) if rank < 2 else []
     dist.barrier()
-    return {"p2p_times": p2p, "allreduce_times": _allreduce_times(settings), "allreduce_ranks": dist.get_world_size(),
+    return {"p2p_times": p2p, "collective_times": _collective_times(settings), "collective_ranks": dist.get_world_size(),
             "sync_wait": _sync_wait(settings)}
 
 
@@ -375,11 +377,18 @@ def _ping_pong(settings: Settings, rank: int) -> list[float]:
     return times
 
 
-def _allreduce_times(settings: Settings) -> list[float]:
-    times = []
+def _collective_times(settings: Settings) -> dict[str, list[float]]:
+    """Seconds per all-reduce, all-gather and reduce-scatter of each size (the whole tensor's bytes)."""
+    n = dist.get_world_size()
+    times: dict[str, list[float]] = {kind: [] for kind in COLLECTIVES}
     for nbytes in settings.sizes:
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-        times.append(_median_time(lambda: dist.all_reduce(buf), settings.repeats, inner=_inner(settings, nbytes)))
+        whole = torch.zeros(max(n, nbytes // 4 // n * n), dtype=torch.float32)
+        part = torch.zeros(len(whole) // n, dtype=torch.float32)
+        ops = {"all_reduce": lambda: dist.all_reduce(whole),
+               "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}
+        for kind, op in ops.items():
+            times[kind].append(_median_time(op, settings.repeats, inner=_inner(settings, nbytes)))
     return times
 
 
@@ -454,10 +463,11 @@ def fit_p2p(sizes: tuple[int, ...], times: tuple[float, ...]) -> tuple[float, fl
     return _fit(sizes, times, 1.0, "point-to-point")
 
 
-def fit_ring(sizes: tuple[int, ...], times: tuple[float, ...], n: int) -> tuple[float, float]:
-    """``time = 2(n-1) step_latency + 2(n-1)/n bytes / bus_bandwidth``: (step_latency, bus_bandwidth)."""
-    steps = 2 * (n - 1)
-    latency, bandwidth = _fit(sizes, times, steps / n, "all-reduce")
+def fit_ring(sizes: tuple[int, ...], times: tuple[float, ...], n: int, kind: str = "all_reduce") -> tuple[float, float]:
+    """``time = k(n-1) step_latency + k(n-1)/n bytes / bus_bandwidth``, ``k = 2`` for an all-reduce and 1 for
+    an all-gather or a reduce-scatter (half a ring): (step_latency, bus_bandwidth)."""
+    steps = (2 if kind == "all_reduce" else 1) * (n - 1)
+    latency, bandwidth = _fit(sizes, times, steps / n, kind.replace("_", "-"))
     return latency / steps, bandwidth
 
 
@@ -477,12 +487,15 @@ def _fit(sizes, times, scale: float, what: str) -> tuple[float, float]:
 def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str]) -> Calibration:
     sizes = settings.sizes
     latency, bandwidth = fit_p2p(sizes, result["p2p_times"])
-    step_latency, bus_bandwidth = fit_ring(sizes, result["allreduce_times"], result["allreduce_ranks"])
+    n = result["collective_ranks"]
+    rates = {kind: fit_ring(sizes, result["collective_times"][kind], n, kind) for kind in COLLECTIVES}
+    (step_latency, bus_bandwidth), gather, scatter = (rates[kind] for kind in COLLECTIVES)
     conv = result["conv_flops"] / result["matmul_flops"]
     if conv > 1:
         notes.append(f"conv3d ran at {conv:.2f}x the matmul throughput; efficiency.conv clamped to 1")
     link = Link(bandwidth, latency, collective_bandwidth=bus_bandwidth, collective_latency=step_latency,
-                sync_wait=result["sync_wait"] if nproc > 1 else 0.0)
+                sync_wait=result["sync_wait"] if nproc > 1 else 0.0, all_gather_latency=gather[0],
+                all_gather_bandwidth=gather[1], reduce_scatter_latency=scatter[0], reduce_scatter_bandwidth=scatter[1])
     host = socket.gethostname()
     spec = ClusterSpec(
         name=f"calibrated-{host}-{nproc}proc", num_nodes=1, devices_per_node=nproc,
@@ -498,7 +511,7 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
                f"{' --quick' if settings.quick else ''}` on {host}, {when}:\nthis machine as {nproc} device(s), one "
                f"worker process each, all measured at once (docs/cluster.md).\n" + "\n".join(notes))
     return Calibration(spec, result["matmul_flops"], result["conv_flops"], sizes, tuple(result["p2p_times"]),
-                       tuple(result["allreduce_times"]), result["allreduce_ranks"], tuple(notes), comment)
+                       {k: tuple(v) for k, v in result["collective_times"].items()}, n, tuple(notes), comment)
 
 
 def _conv_summary(spec: ClusterSpec) -> list[tuple[str, str, str]]:
@@ -511,6 +524,16 @@ def _conv_summary(spec: ClusterSpec) -> list[tuple[str, str, str]]:
         rates = [getattr(r, field) for r in rows]
         out.append((f"conv3d k=3 {field.replace('_', ' ')} over {len(rows)} (in, out, positions)",
                     f"{min(rates) / 1e9:.1f} to {max(rates) / 1e9:.1f}", "GFLOP/s"))
+    return out
+
+
+def _collective_summary(link: Link, ranks: int) -> list[tuple[str, str, str]]:
+    out = []
+    for kind in COLLECTIVES:
+        latency, bandwidth = link.collective(kind)
+        name = kind.replace("_", "-")
+        out += [(f"{name} step latency ({ranks} ranks)", f"{latency * 1e6:.1f}", "µs"),
+                (f"{name} bus bandwidth ({ranks} ranks)", f"{bandwidth / 1e9:.2f}", "GB/s")]
     return out
 
 
@@ -531,8 +554,7 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
         ("point-to-point latency", f"{link.latency * 1e6:.1f}", "µs"),
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
         ("wait of an exchange after compute (sync_wait)", f"{link.sync_wait * 1e6:.1f}", "µs"),
-        (f"all-reduce step latency ({cal.allreduce_ranks} ranks)", f"{link.step_latency * 1e6:.1f}", "µs"),
-        (f"all-reduce bus bandwidth ({cal.allreduce_ranks} ranks)", f"{link.bus_bandwidth / 1e9:.2f}", "GB/s"),
+        *_collective_summary(link, cal.collective_ranks),
         ("device memory (MemTotal / N)", f"{spec.device_memory / 2**30:.2f}", "GiB"),
         ("reserved memory (a training worker before its model)", f"{spec.reserved_memory / 2**30:.3f}", "GiB"),
     ]

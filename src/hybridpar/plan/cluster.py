@@ -50,6 +50,10 @@ def _check_positive(label: str, value) -> None:
         raise ClusterError(f"{label} = {value!r}: must be a positive, finite number")
 
 
+OPTIONAL_RATES = ("collective_bandwidth", "collective_latency", "all_gather_bandwidth", "all_gather_latency",
+                  "reduce_scatter_bandwidth", "reduce_scatter_latency")
+
+
 @dataclass(frozen=True)
 class Link:
     """A link as seen by one device: point-to-point and (optionally measured) collective performance."""
@@ -61,9 +65,16 @@ class Link:
     # seconds a synchronising operation (a send, a collective) waits beyond its latency when the ranks come to
     # it from computing: they arrive apart (scheduling, shared cores); measured by calibrate, else 0
     sync_wait: float = 0.0
+    # an all-gather's and a reduce-scatter's own bus bandwidth (``(n-1)/n * bytes / time``) and step latency,
+    # where measured (gloo's reduce-scatter takes longer than an all-reduce of the same bytes); None: the
+    # all-reduce's (a ring's halves)
+    all_gather_bandwidth: float | None = None
+    all_gather_latency: float | None = None
+    reduce_scatter_bandwidth: float | None = None
+    reduce_scatter_latency: float | None = None
 
     def __post_init__(self):
-        for field in ("bandwidth", "latency", "collective_bandwidth", "collective_latency"):
+        for field in ("bandwidth", "latency", *OPTIONAL_RATES):
             value = getattr(self, field)
             if value is not None or field in ("bandwidth", "latency"):
                 _check_positive(f"Link.{field}", value)
@@ -80,6 +91,14 @@ class Link:
     def step_latency(self) -> float:
         """Seconds per algorithm step of a collective (a ring all-reduce has ``2(n-1)`` steps)."""
         return self.latency if self.collective_latency is None else self.collective_latency
+
+    def collective(self, kind: str) -> tuple[float, float]:
+        """``(step latency, bus bandwidth)`` of ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``."""
+        if kind == "all_reduce":
+            return self.step_latency, self.bus_bandwidth
+        latency, bandwidth = getattr(self, f"{kind}_latency"), getattr(self, f"{kind}_bandwidth")
+        return (self.step_latency if latency is None else latency,
+                self.bus_bandwidth if bandwidth is None else bandwidth)
 
 
 def _check_count(label: str, value) -> None:

@@ -101,14 +101,23 @@ def all_reduce_time(num_bytes: float, group: Group) -> float:
 
 
 def all_gather_time(num_bytes: float, group: Group) -> float:
-    """Gather ``num_bytes`` in all (each rank holds ``num_bytes / n``); a reduce-scatter costs the same."""
+    """Gather ``num_bytes`` in all (each rank holds ``num_bytes / n``): half a ring all-reduce, at the
+    link's all-gather rates."""
+    return _half_ring(num_bytes, group, "all_gather")
+
+
+def reduce_scatter_time(num_bytes: float, group: Group) -> float:
+    """Sum ``num_bytes`` and leave ``num_bytes / n`` of the sum on each rank: half a ring all-reduce, at the
+    link's reduce-scatter rates."""
+    return _half_ring(num_bytes, group, "reduce_scatter")
+
+
+def _half_ring(num_bytes: float, group: Group, kind: str) -> float:
     n = group.size
     if n == 1 or not num_bytes:
         return 0.0
-    return collective_steps(n) * group.link.step_latency + (n - 1) / n * num_bytes / group.link.bus_bandwidth
-
-
-reduce_scatter_time = all_gather_time
+    latency, bandwidth = group.link.collective(kind)
+    return collective_steps(n) * latency + (n - 1) / n * num_bytes / bandwidth
 
 
 def halo_exchange_time(halo_bytes: tuple[float, ...], link: Link) -> float:

@@ -35,6 +35,10 @@ LINK = {  # key -> (Link field, unit, required)
     "collective_bandwidth_gbs": ("collective_bandwidth", "GB/s", False),
     "collective_latency_us": ("collective_latency", "us", False),
     "sync_wait_us": ("sync_wait", "us", False),
+    "all_gather_bandwidth_gbs": ("all_gather_bandwidth", "GB/s", False),
+    "all_gather_latency_us": ("all_gather_latency", "us", False),
+    "reduce_scatter_bandwidth_gbs": ("reduce_scatter_bandwidth", "GB/s", False),
+    "reduce_scatter_latency_us": ("reduce_scatter_latency", "us", False),
 }
 
 
