@@ -113,6 +113,9 @@ OP_BENCHMARKS = (
 FAST_CONV_MIN = 20480  # PyTorch's CPU rule: a batch of 1 takes oneDNN only when N*C*D*H of the input exceeds this
 SMALL_BYTES = 256  # messages up to this size give the latency
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# torch 2.13 names them *_single and deprecates the *_tensor names, which older releases have alone
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 SYNC_CONV_INPUT = (2, 16, 16, 32, 32)  # the conv each rank runs before the exchanges of _sync_wait (a few ms)
 
 
@@ -385,8 +388,8 @@ def _collective_times(settings: Settings) -> dict[str, list[float]]:
         whole = torch.zeros(max(n, nbytes // 4 // n * n), dtype=torch.float32)
         part = torch.zeros(len(whole) // n, dtype=torch.float32)
         ops = {"all_reduce": lambda: dist.all_reduce(whole),
-               "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}
+               "all_gather": lambda: ALL_GATHER(whole, part),
+               "reduce_scatter": lambda: REDUCE_SCATTER(part, whole)}
         for kind, op in ops.items():
             times[kind].append(_median_time(op, settings.repeats, inner=_inner(settings, nbytes)))
     return times
