@@ -153,6 +153,25 @@ def test_ranks_that_meet_wait_once_per_pass():
     assert any(o.comm.get("sync") for o in (layer_options(l, graph, ctx, True)[0] for l in graph.layers))
 
 
+def test_fsdp_gathers_once_per_wrapped_block():
+    """FSDP gathers each top-level block's parameters (``parallelize`` wraps the blocks), not each layer's:
+    a GPT block of six weighted layers is one gather, before forward and before backward, ranks meeting."""
+    link = Link(bandwidth=1e9, latency=1e-6, sync_wait=1e-3)
+    group = cost.Group(4, link)
+    one = cost.fsdp_gather_time(4e6, group)
+    assert one == pytest.approx(2 * (cost.all_gather_time(4e6, group) + 1e-3))
+    assert cost.fsdp_gather_time(4e6, group, gathers=3) == pytest.approx(one + 2 * 2 * (2e-6 + 1e-3))
+    assert cost.fsdp_gather_time(4e6, cost.Group(1, link)) == 0.0
+    with torch.device("meta"):
+        model = gpt(num_layers=3, num_heads=4, d_model=32, seq_len=16, vocab_size=64)
+    g = graph_of(model, torch.zeros(8, 16, dtype=torch.long))
+    chain = best_chain(g, _ctx(g, small_cluster(4), grid=(1,), tp=1, micro_batch=2))
+    units = Units.of(chain, legal_starts(g, chain), g.block_index)
+    block = units.starts.index(next(i for i, layer in enumerate(g.layers) if layer.name == "blocks.1.ln_1"))
+    weighted = sum(1 for o in chain.options[units.starts[block]:units.starts[block + 1]] if o.params)
+    assert units.param_blocks[block] == 1 and weighted >= 6
+
+
 def test_gradient_sync_by_sharding_level():
     group = cost.Group(4, Link(bandwidth=1e9, latency=1e-6))
     big = 1e9  # far more than one bucket, far slower than the backward below

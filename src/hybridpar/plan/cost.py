@@ -134,7 +134,7 @@ def gradient_sync_time(grad_bytes: float, group: Group, backward_time: float, sh
     """Exposed gradient communication of one step. Gradients are reduced in buckets while backward runs
     (all-reduced by DDP, ``sharding`` 0; reduce-scattered when sharded, 1-3): what exceeds the backward,
     and the last bucket, show. ZeRO-1 and -2 then all-gather the updated parameters after the step, in the
-    open; FSDP (3) gathers them layer by layer in the next step instead (``fsdp_gather_time``)."""
+    open; FSDP (3) gathers them block by block in the next step instead (``fsdp_gather_time``)."""
     if group.size == 1 or not grad_bytes:
         return 0.0
     reduce = all_reduce_time if sharding == 0 else reduce_scatter_time
@@ -144,9 +144,14 @@ def gradient_sync_time(grad_bytes: float, group: Group, backward_time: float, sh
     return exposed + (all_gather_time(grad_bytes, group) if sharding in (1, 2) else 0.0)
 
 
-def fsdp_gather_time(param_bytes: float, group: Group) -> float:
-    """FSDP (sharding 3) gathers each layer's parameters before forward and again before backward."""
-    return 2 * all_gather_time(param_bytes, group)
+def fsdp_gather_time(param_bytes: float, group: Group, gathers: int = 1) -> float:
+    """FSDP (sharding 3) gathers ``param_bytes`` of parameters, held by ``gathers`` separately wrapped
+    modules (one all-gather each), before forward and again before backward; the ranks meet at each."""
+    if group.size == 1 or not param_bytes:
+        return 0.0
+    latency, _ = group.link.collective("all_gather")
+    per_gather = collective_steps(group.size) * latency + group.link.sync_wait
+    return 2 * (all_gather_time(param_bytes, group) + (gathers - 1) * per_gather + group.link.sync_wait)
 
 
 def pipeline_time(stage_times: list[float], num_micro_batches: int) -> float:

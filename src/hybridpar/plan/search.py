@@ -217,7 +217,7 @@ def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int,
     """Step time, memory per pipeline rank and exposed communication by kind (with ``compute``, all on the
     slowest stage) of one fully specified candidate; ``cuts`` are the layers that start stages 2..S (``S =
     pp``, or a multiple of it under interleaved 1F1B, where rank ``r`` holds stages ``r, r + pp, ...``)."""
-    units = units or Units.of(chain, legal_starts(graph, chain))
+    units = units or Units.of(chain, legal_starts(graph, chain), graph.block_index)
     starts = list(units.starts)
     costs = StageCosts(units, _setting(cluster, c, mesh, m, z, ckpt, schedule, len(cuts) + 1))
     index = [starts.index(b) for b in cuts]
@@ -235,13 +235,14 @@ def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int,
     memory = [cost.combined(memory[r::pp]) for r in range(pp)] if interleaved else memory
     slowest = max(bounds, key=lambda ab: costs.stage_time(*ab))
     layers = (starts[slowest[0]], starts[slowest[1]] if slowest[1] < len(starts) else len(chain.options))
-    comm = _communication(chain, costs, layers, costs.send(slowest[1]), m, sync)
+    comm = _communication(chain, costs, layers, costs.send(slowest[1]), costs.fsdp_gathers(*slowest) * m, sync)
     comm["compute"] += update
     return step, memory, comm
 
 
-def _communication(chain: Chain, costs: StageCosts, layers, send: float, m: int, sync: float) -> dict:
+def _communication(chain: Chain, costs: StageCosts, layers, send: float, fsdp: float, sync: float) -> dict:
     """Exposed communication per step on the slowest stage, by kind, and its ``compute``."""
+    m = costs.setting.micro_batches
     out: dict[str, float] = {}
     for i in range(*layers):
         for kind, t in chain.options[i].comm.items():
@@ -249,8 +250,7 @@ def _communication(chain: Chain, costs: StageCosts, layers, send: float, m: int,
         if chain.redistribution[i]:
             out["tp"] = out.get("tp", 0.0) + chain.redistribution[i] * m
     s = costs.setting
-    if s.sharding == 3:
-        out["fsdp"] = sum(cost.fsdp_gather_time(o.params, s.data_group) for o in chain.options[slice(*layers)]) * m
+    out["fsdp"] = fsdp
     out["pipeline"] = send * m
     out["gradients"] = sync
     out = {k: v for k, v in out.items() if v}
@@ -361,7 +361,7 @@ def _chain(graph, cluster, c, mesh, micro_batch, sharding, cache) -> tuple[Chain
     key = ("units", ctx)
     if key not in cache:
         chain = best_chain(graph, ctx, cache)
-        cache[key] = (chain, Units.of(chain, legal_starts(graph, chain)))
+        cache[key] = (chain, Units.of(chain, legal_starts(graph, chain), graph.block_index))
     return cache[key]
 
 

@@ -47,7 +47,7 @@ class Units:
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     params: tuple[float, ...]
-    param_layers: tuple[int, ...]  # layers with parameters (FSDP gathers each)
+    param_blocks: tuple[int, ...]  # top-level blocks with parameters (FSDP gathers each: parallelize wraps them)
     saved: tuple[float, ...]
     workspace: tuple[float, ...]  # largest in the unit
     largest_params: tuple[float, ...]  # of one layer
@@ -55,7 +55,9 @@ class Units:
     out_bytes: tuple[float, ...]  # the unit's output (what a cut after it sends)
 
     @staticmethod
-    def of(chain, starts: list[int]) -> "Units":
+    def of(chain, starts: list[int], block_index: tuple[int | None, ...]) -> "Units":
+        """The units of ``chain`` starting at the layers ``starts``; ``block_index`` gives each layer's
+        top-level block (``ModelGraph.block_index``)."""
         bounds = list(zip(starts, starts[1:] + [len(chain.options)]))
         opts = chain.options
         return Units(
@@ -64,7 +66,7 @@ class Units:
             tuple(sum(o.forward for o in opts[a:b]) for a, b in bounds),
             tuple(sum(o.time - o.forward for o in opts[a:b]) for a, b in bounds),
             tuple(sum(o.params for o in opts[a:b]) for a, b in bounds),
-            tuple(sum(1 for o in opts[a:b] if o.params) for a, b in bounds),
+            tuple(len({block_index[i] for i in range(a, b) if opts[i].params}) for a, b in bounds),
             tuple(sum(o.saved for o in opts[a:b]) for a, b in bounds),
             tuple(max(o.workspace for o in opts[a:b]) for a, b in bounds),
             tuple(max(o.params for o in opts[a:b]) for a, b in bounds),
@@ -133,14 +135,16 @@ def _prefix(values) -> list[float]:
 
 
 def _extra(units: Units, s: StageSetting) -> list[float]:
-    """Time each unit adds under ``s``: the recomputed forward of checkpointing, FSDP's gathers (one per
-    layer with parameters, before forward and again before backward)."""
-    extra = list(units.forward) if s.checkpointing else [0.0] * len(units)
-    if s.sharding == 3 and s.data_group.size > 1:
-        link, n = s.data_group.link, s.data_group.size
-        for u, (p, k) in enumerate(zip(units.params, units.param_layers)):
-            extra[u] += 2 * ((n - 1) * link.step_latency * k + (n - 1) / n * p / link.bus_bandwidth)
-    return extra
+    """Time each unit adds under ``s``: the recomputed forward of checkpointing, FSDP's gathers."""
+    recompute = units.forward if s.checkpointing else [0.0] * len(units)
+    return [r + g for r, g in zip(recompute, _fsdp_gathers(units, s))]
+
+
+def _fsdp_gathers(units: Units, s: StageSetting) -> list[float]:
+    """FSDP's gathers per unit (sharding 3): one per block with parameters, before forward and backward."""
+    if s.sharding != 3:
+        return [0.0] * len(units)
+    return [cost.fsdp_gather_time(p, s.data_group, k) for p, k in zip(units.params, units.param_blocks)]
 
 
 class StageCosts:
@@ -149,6 +153,7 @@ class StageCosts:
     def __init__(self, units: Units, setting: StageSetting):
         self.units, self.setting = units, setting
         self.time = _prefix(t + e for t, e in zip(units.time, _extra(units, setting)))
+        self.gathers = _prefix(_fsdp_gathers(units, setting))
         self.backward = _prefix(units.backward)
         self.params = _prefix(units.params)
         self.saved = _prefix(units.saved)
@@ -158,6 +163,10 @@ class StageCosts:
         self.unit_saved = units.max_saved
         link = setting.pipe_link
         self.sends = [2 * (cost.send_time(b, link) + link.sync_wait) for b in units.out_bytes[:-1]] + [0.0, 0.0]
+
+    def fsdp_gathers(self, a: int, b: int) -> float:
+        """FSDP's parameter gathers of units ``[a, b)`` for one micro-batch (0 without sharding 3)."""
+        return self.gathers[b] - self.gathers[a]
 
     def send(self, b: int) -> float:
         """Forward activation and backward gradient across the cut before unit ``b`` (none after the last)."""
