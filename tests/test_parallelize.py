@@ -101,11 +101,12 @@ def check_step(parallel, reference, loss: torch.Tensor, expected: torch.Tensor) 
 
 
 def cnn_equivalence(fields: dict) -> float:
-    """One step of a small CosmoFlow (two conv blocks on 32^3, global pooling, a dense head) against one process; spatial
-    ranks take their slab of each sample."""
+    """One step of a small CosmoFlow (two conv blocks on 32^3, global pooling, a dense head; ``batch_norm``
+    in ``fields`` adds BatchNorm3d after each conv) against one process; spatial ranks take their slab of
+    each sample."""
     torch.manual_seed(0)
     model = cosmoflow(size=32, in_channels=2, base_channels=4, num_blocks=2, fc_sizes=(8,), num_outputs=2,
-                      pooling="average").double()
+                      pooling="average", batch_norm=fields.pop("batch_norm", False)).double()
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 2, 32, 32, 32, dtype=torch.float64, generator=g), torch.randn(4, 2, dtype=torch.float64,
@@ -182,6 +183,8 @@ CNN_CASES = {
     "spatial2-dp2": (4, dict(dp=2, spatial=(2, 1, 1))),
     "pp2-spatial2": (4, dict(pp=2, spatial=(2, 1, 1), stages=("features.3",), micro_batches=2)),
     "spatial2-filter2": (4, dict(spatial=(2, 1, 1), tp=2, layers=FILTER_PAIR)),
+    "dp2-batchnorm": (2, dict(dp=2, batch_norm=True)),  # statistics over the global batch without a spatial split
+    "fsdp2-batchnorm": (2, dict(dp=2, sharding=3, batch_norm=True)),
 }
 
 

@@ -61,6 +61,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     if batch_norm not in BATCH_NORM_SCOPES:
         raise PlanError(f"batch_norm = {batch_norm!r}: use one of {', '.join(BATCH_NORM_SCOPES)}")
     splits, groups = check_plan(model, plan, example_input)
+    shape = tuple(example_input.shape if example_input is not None else plan.input_shape)
+    grid = plan.spatial if math.prod(plan.spatial) > 1 else (1,) * max(len(shape) - 2, 1)  # one part per dim
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     params = {name for name, _ in model.named_parameters()}
     owners = _owners(names, groups, plan.pp)
@@ -72,13 +74,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     modules = {i: (pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model).to(device) for i in held}
     manual_sync = False
     for index, module in modules.items():
-        modules[index], manual = _build(module, plan, mesh, splits, BATCH_NORM_SCOPES[batch_norm])
+        modules[index], manual = _build(module, plan, grid, mesh, splits, BATCH_NORM_SCOPES[batch_norm])
         manual_sync = manual_sync or manual
     schedule, loss_fn = None, _ScheduleLoss(loss_fn)
     if plan.pp > 1:
         schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
                                            mesh["pp"].get_group(), device)
-    batch = replica_batch(plan, (example_input.shape if example_input is not None else plan.input_shape)[0])
+    batch = replica_batch(plan, shape[0])
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch)
 
 
@@ -117,7 +119,9 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
     if dense and math.prod(plan.spatial) > 1:
         raise PlanError(f"layer {dense[0]!r}: spatial={plan.spatial} combines with filter / channel splits of "
                         "convolutions, not with tensor-parallel Linear or Embedding layers; replicate it")
-    return splits, _stage_groups(model, graph, plan)
+    groups = _stage_groups(model, graph, plan)
+    _owners(dict.fromkeys(model.state_dict()), groups, plan.pp)  # every parameter and buffer in a block
+    return splits, groups
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
@@ -186,17 +190,18 @@ def _device(mesh: DeviceMesh) -> torch.device:
                                                                               torch.cuda.current_device())
 
 
-def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Split],
+def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMesh, splits: dict[str, Split],
            norm_axes: tuple[str, ...]) -> tuple[nn.Module, bool]:
     """Steps 3-6 of the module doc on one module (the model, or one pipeline stage); also whether the
-    gradients need a manual all-reduce (tensor or pipeline parallelism under sharding 0)."""
+    gradients need a manual all-reduce (tensor or pipeline parallelism under sharding 0). ``grid`` is the
+    plan's spatial grid with one part per spatial dim of the input where the plan splits none."""
     if splits:
         module = apply_splits(module, splits, mesh["tp"])
-    if math.prod(plan.spatial) > 1:
+    shared_norms = _has_batch_norm(module) and mesh[norm_axes].size() > 1
+    if math.prod(grid) > 1 or shared_norms:  # the spatial runtime also sums batch-norm statistics over ranks
         from hybridpar import spatial
 
-        module = spatial.parallelize(module, mesh["spatial"], grid=plan.spatial,
-                                     batch_norm_mesh=mesh[norm_axes])
+        module = spatial.parallelize(module, mesh["spatial"], grid=grid, batch_norm_mesh=mesh[norm_axes])
     held = [m for _, m in blocks(module) if not isinstance(m, nn.Identity)]
     if plan.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -216,6 +221,10 @@ def _build(module: nn.Module, plan: Plan, mesh: DeviceMesh, splits: dict[str, Sp
     if splits or plan.pp > 1:
         return module, True
     return DistributedDataParallel(module, process_group=flat_group(mesh, ("dp", "spatial"))), False
+
+
+def _has_batch_norm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
 class ParallelModel:

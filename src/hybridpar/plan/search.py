@@ -280,6 +280,11 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
         except PlanError as err:
             log.fail(mesh, f"spatial grid {'x'.join(map(str, grid))}: {err}")
             continue
+        norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)
+        if pp > 1 and norm is not None:
+            log.fail(mesh, f"pp={pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would take "
+                           "per micro-batch, unlike one process on the batch")
+            continue
         per_replica = c.global_batch // dp
         # the replica's batch in one micro-batch, every split allowed: a lower bound for any sharding
         _, whole = _chain(graph, cluster, c, mesh, per_replica, 0, cache)

@@ -201,7 +201,10 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     cfg = run.config
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
-    torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + dist.get_rank())  # dropout masks of this step
+    # dropout masks of this step: per dp x spatial rank (the spatial runtime shares what must be shared),
+    # alike on the tensor-parallel ranks, which hold the same activations
+    replica, part = run.mesh["dp"].get_local_rank(), run.mesh["spatial"].get_local_rank()
+    torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + replica * run.mesh["spatial"].size() + part)
     run.optimizer.zero_grad(set_to_none=True)
     loss = run.parallel.train_step(x, y)
     run.optimizer.step()
