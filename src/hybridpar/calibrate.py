@@ -23,8 +23,8 @@ Each timed repeat starts after a barrier; a worker's number is the median of its
 median over workers. Communication: ping-pong between ranks 0 and 1 over message sizes, fitted to
 ``latency + bytes / bandwidth``; all-reduce over all N ranks, fitted to the ring model
 ``2(N-1) step_latency + 2(N-1)/N bytes / bus_bandwidth``, and all-gather and reduce-scatter to half of it,
-each with its own rates (on gloo a reduce-scatter takes longer than an all-reduce); the wait of an exchange that follows compute
-(``sync_wait``, ``_sync_wait``). With N = 1 there is nobody to talk to: compute is measured by one worker
+each with its own rates (on gloo a reduce-scatter takes longer than an all-reduce); the wait of an exchange
+that follows compute (``sync_wait``, ``_sync_wait``). With N = 1 there is nobody to talk to: compute is measured by one worker
 alone, communication by a second launch of 2 workers (and ``sync_wait`` is 0). One machine has no
 inter-node link: ``inter_node`` is a copy of ``intra_node`` (said in the TOML file's header).
 """

@@ -96,9 +96,11 @@ class _ScheduleLoss:
         return output.new_zeros(()) if self.off else self.fn(output, target)
 
 
-def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None):
+def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None,
+               graph: ModelGraph | None = None):
     """Every check of ``plan`` against ``model`` that needs no process group (``model`` may live on the meta
-    device): ``(the tensor-parallel splits, the block names of each pipeline stage)``, or a ``PlanError``."""
+    device; ``graph``: its layer graph, if the caller has analysed it already): ``(the tensor-parallel splits,
+    the block names of each pipeline stage)``, or a ``PlanError``."""
     if plan.sharding not in SHARDING_NAMES:
         raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
     if plan.pp == 1 and plan.micro_batches != 1:
@@ -106,7 +108,7 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
     if plan.sequence_parallel and plan.tp == 1:
         raise PlanError("sequence_parallel = true needs tp > 1: it splits along the sequence what the "
                         "tensor-parallel ranks would otherwise each hold whole")
-    graph = graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
+    graph = graph or graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
     splits = check_strategies(model, dict(plan.layers), graph, plan.tp,
                               sequence_parallel=plan.sequence_parallel) if plan.tp > 1 else {}
     convs = [name for name, split in splits.items() if split.kind == "conv" and split.strategy in ("column", "row")]

@@ -6,6 +6,7 @@ brute-force oracle of the tests both call it, so they rank by the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -183,7 +184,10 @@ def _segment(graph: ModelGraph, layers, ctx: MeshContext, cache: dict) -> tuple[
 
 
 def _options(layer, graph, ctx, chain_only, cache: dict) -> tuple[Option, ...]:
-    """Options of a layer, priced once per signature (the 96 blocks of a GPT share theirs)."""
+    """Options of a layer, priced once per signature (the 96 blocks of a GPT share theirs) and, but for
+    convolutions, once for every sharding level (only a convolution's options depend on it)."""
+    if ctx.sharded and layer.kind != "conv":
+        ctx = dataclasses.replace(ctx, sharded=False)
     key = (layer.signature, ctx, chain_only)
     if key not in cache:
         cache[key] = layer_options(layer, graph, ctx, chain_only)
@@ -272,6 +276,7 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
         raise PlanError(_no_mesh_message(world, graph, c))
     log = _Log()
     cache: dict = {}
+    norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)  # refuses pipelines
     pending = []  # (lower bound of step time, mesh, m, z, ckpt)
     for mesh in all_meshes:
         dp, grid, tp, pp = mesh
@@ -280,7 +285,6 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
         except PlanError as err:
             log.fail(mesh, f"spatial grid {'x'.join(map(str, grid))}: {err}")
             continue
-        norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)
         if pp > 1 and norm is not None:
             log.fail(mesh, f"pp={pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would take "
                            "per micro-batch, unlike one process on the batch")
@@ -360,14 +364,24 @@ class _Log:
 
 def _chain(graph, cluster, c, mesh, micro_batch, sharding, cache) -> tuple[Chain, Units]:
     """The per-layer strategies of a mesh for one micro-batch size and sharding level, and their units
-    (cached)."""
+    (cached). Sharding only takes options away (channel-split convolutions), so where the unsharded chain
+    splits no convolution it is the sharded one too, and is not searched again."""
     dp, grid, tp, _ = mesh
     ctx = _context(cluster, c, dp, grid, tp, micro_batch, sharding=sharding)
     key = ("units", ctx)
     if key not in cache:
-        chain = best_chain(graph, ctx, cache)
-        cache[key] = (chain, Units.of(chain, legal_starts(graph, chain), graph.block_index))
+        plain = _chain(graph, cluster, c, mesh, micro_batch, 0, cache) if sharding else None
+        if plain is not None and not _splits_convs(graph, plain[0]):
+            cache[key] = plain
+        else:
+            chain = best_chain(graph, ctx, cache)
+            cache[key] = (chain, Units.of(chain, legal_starts(graph, chain), graph.block_index))
     return cache[key]
+
+
+def _splits_convs(graph: ModelGraph, chain: Chain) -> bool:
+    return any(o.strategy in ("column", "row") and layer.kind == "conv"
+               for layer, o in zip(graph.layers, chain.options))
 
 
 def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) -> Candidate:

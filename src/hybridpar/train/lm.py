@@ -19,18 +19,14 @@ import torch.distributed as dist
 
 from hybridpar import parallelize
 from hybridpar.data.tokens import MarkovTokens
-from hybridpar.mesh import build_mesh
 from hybridpar.models.gpt import lm_loss
 from hybridpar.plan import Plan
 from hybridpar.train import checkpoint, planning
 from hybridpar.train.config import Config, model_factory, model_options
-from hybridpar.train.loop import check_same_plan, mean_over_dp
+from hybridpar.train.loop import DTYPES, agreed_mesh, mean_over_dp
 from hybridpar.train.metrics import MetricsLog
 from hybridpar.train.optim import build_optimizer, learning_rate, set_learning_rate
 from hybridpar.train.progress import Progress
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 def build_model(config: Config) -> torch.nn.Module:
     torch.manual_seed(config.seed)
@@ -62,10 +58,8 @@ class LMRun:
 
 def setup(config: Config) -> LMRun:
     plan = check(config, dist.get_world_size())
-    check_same_plan(config, plan)  # before the mesh: ranks with other plans would wait for each other
+    mesh = agreed_mesh(config, plan)
     model = build_model(config).to(DTYPES[config.train.dtype])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = build_mesh(plan.dims, dist.get_world_size(), device)
     parallel = parallelize(model, plan, mesh, loss_fn=lm_loss,
                            example_input=torch.zeros(plan.input_shape, dtype=torch.long))
     optimizer = build_optimizer(parallel.parameters(), config.optimizer)

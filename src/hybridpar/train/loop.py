@@ -3,9 +3,9 @@
 Order of work: check the config, the data files, the plan (searched, read, or ``[mesh]``'s:
 ``train/planning.py``) and the geometry on every rank (identically, before any communication); build the
 model from the seed (the same weights on every rank) and apply the plan with ``hybridpar.parallelize``;
-then train. Step ``s`` (0-based) reseeds the random generators from ``(seed, s, rank)`` and reads batch
-``s`` of the deterministic sampler, so a run resumed from a checkpoint, under this plan or another,
-repeats the uninterrupted run exactly.
+then train. Step ``s`` (0-based) reseeds the random generators from ``(seed, s, dp x spatial rank)`` and
+reads batch ``s`` of the deterministic sampler, so a run resumed from a checkpoint, under this plan or
+another, repeats the uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -160,10 +160,8 @@ def check(config: Config, world_size: int) -> Checked:
 def setup(config: Config) -> Run:
     """Check everything, then build the mesh, the parallel model, its optimizer and the data loader."""
     train_set, val_set, loss_name, plan = check(config, dist.get_world_size())
-    check_same_plan(config, plan)  # before the mesh: ranks with other plans would wait for each other
+    mesh = agreed_mesh(config, plan)
     model = build_model(config, train_set).to(DTYPES[config.train.dtype])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = build_mesh(plan.dims, dist.get_world_size(), device)
     parallel = parallelize(model, plan, mesh, loss_fn=partial(loss_fn, loss_name, mesh["spatial"]),
                            example_input=torch.empty(plan.input_shape, device="meta"),
                            batch_norm=config.mesh.batch_norm)
@@ -374,6 +372,14 @@ def _check_same_data(run: Run) -> None:
             counts = [" / ".join(map(str, counts)) for counts, _ in (theirs, everyone[0])]
             raise DataError(f"rank {rank} sees other data files than rank 0 (usable training / validation files: "
                             f"{counts[0]} vs {counts[1]}); put the data where every rank sees the same files")
+
+
+def agreed_mesh(config: Config, plan: Plan):
+    """The mesh of ``plan``, built once every rank has shown that it took the same plan (ranks with other
+    plans would wait for each other in building it)."""
+    check_same_plan(config, plan)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return build_mesh(plan.dims, dist.get_world_size(), device)
 
 
 def check_same_plan(config: Config, plan: Plan) -> None:

@@ -36,14 +36,14 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -
     against the model as ``hybridpar.parallelize`` will apply it."""
     from hybridpar.parallel.apply import check_plan
 
+    graph = graph_of(model, example_input, config.train.dtype)
     if config.plan:
-        graph = graph_of(model, example_input, config.train.dtype)
         plan = _search(config, graph, world_size) if config.plan == "auto" else _from_file(config, graph, world_size)
         plan = replace(plan, model=config.model.name)
     else:
         plan = mesh_plan(config, tuple(example_input.shape), world_size)
     try:
-        check_plan(model, plan, example_input)
+        check_plan(model, plan, example_input, graph)
     except PlanError as err:
         raise PlanError(f"{config.plan or '[mesh]'}: {err}") from None
     return plan
