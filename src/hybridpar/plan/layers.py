@@ -58,7 +58,15 @@ class MeshContext:
     norm_group: cost.Group
     overlap: bool
     sequence_parallel: bool = False  # replicated token-wise layers run on 1/tp of the tokens
-    sharded: bool = False  # FSDP / ZeRO shards the parameters over dp x spatial (no channel-split convs)
+    sharded: bool = False  # FSDP / ZeRO shards the parameters over dp x spatial > 1 ranks (no channel-split convs)
+
+    def __hash__(self) -> int:  # a cache key of the search, hashed thousands of times: once per context
+        if "_hash" not in self.__dict__:
+            fields = (self.dtype, self.grid, self.tp, self.micro_batch, self.spatial_group, self.tp_group,
+                      self.norm_group, self.overlap, self.sequence_parallel, self.sharded)
+            self.__dict__["_hash"] = hash(fields)
+        return self.__dict__["_hash"]
+
 
 def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
     """Refuse a spatial grid the runtime would refuse (a slab thinner than its halo, a layer that
@@ -129,6 +137,7 @@ def _halo_rows(layer: Layer, grid: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(rows)
 
 
+@lru_cache(maxsize=65536)
 def slab_fraction(shape: tuple[int, ...], grid: tuple[int, ...]) -> float:
     """The largest slab's share of an ``(N, C, *spatial)`` volume split by ``grid``."""
     return math.prod(-(-n // p) / n for n, p in zip(shape[2:], grid))
@@ -179,7 +188,7 @@ def splittable(layer: Layer, ctx: MeshContext) -> bool:
     """Whether the runtime (``hybridpar.parallelize``) can split ``layer`` over tp on this mesh: not a conv
     whose parameters FSDP / ZeRO also shards, not a Linear or Embedding layer of a spatially split model."""
     if layer.kind == "conv":
-        return not (ctx.sharded and ctx.norm_group.size > 1)
+        return not ctx.sharded
     if layer.kind in ("linear", "embedding"):
         return math.prod(ctx.grid) == 1
     return True

@@ -7,6 +7,8 @@ brute-force oracle of the tests both call it, so they rank by the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -118,7 +120,7 @@ def _context(cluster: ClusterSpec, c: Constraints, dp: int, grid: tuple[int, ...
     s = math.prod(grid)
     return MeshContext(cluster, c.dtype, grid, tp, micro_batch, cost.Group.of(cluster, s, tp),
                        cost.Group.of(cluster, tp, 1), cost.Group.of(cluster, dp * s, tp), c.overlap_halo,
-                       sequence_parallel and tp > 1, sharding > 0)
+                       sequence_parallel and tp > 1, sharding > 0 and dp * s > 1)
 
 
 @dataclass(frozen=True)
@@ -183,11 +185,18 @@ def _segment(graph: ModelGraph, layers, ctx: MeshContext, cache: dict) -> tuple[
     return tuple(reversed(picks))
 
 
+_ANY = cost.Group(0, None)  # the norm group in the cache key of a layer that does not use it
+
+
 def _options(layer, graph, ctx, chain_only, cache: dict) -> tuple[Option, ...]:
-    """Options of a layer, priced once per signature (the 96 blocks of a GPT share theirs) and, but for
-    convolutions, once for every sharding level (only a convolution's options depend on it)."""
-    if ctx.sharded and layer.kind != "conv":
-        ctx = dataclasses.replace(ctx, sharded=False)
+    """Options of a layer, priced once per signature (the 96 blocks of a GPT share theirs), for every
+    sharding level but for convolutions (only their options depend on it) and for every dp degree but
+    for batch norms (only they talk over dp)."""
+    uses = (layer.kind == "conv", layer.kind == "batch_norm")
+    if (ctx, uses) not in cache:
+        cache[ctx, uses] = dataclasses.replace(ctx, sharded=ctx.sharded and uses[0],
+                                               norm_group=ctx.norm_group if uses[1] else _ANY)
+    ctx = cache[ctx, uses]
     key = (layer.signature, ctx, chain_only)
     if key not in cache:
         cache[key] = layer_options(layer, graph, ctx, chain_only)
@@ -268,8 +277,10 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     """Ranked plans for ``cluster.num_devices`` devices, fastest first (one per mesh), and for every
     family of strategies (``dp``, ``dp x spatial``, ``dp x tp x pp``, ...) why it lost or did not fit.
 
-    Candidates are priced in the order of a lower bound of their step time (every stage as fast as
-    an even split), and one whose bound cannot beat the ``top``-th plan found is not priced further."""
+    Candidates are priced in the order of a lower bound of their step time, and one whose bound cannot
+    beat the ``top``-th plan found is not priced further. A mesh's bound is first that of its heaviest
+    layer alone; a mesh that may still win gets the bounds of its candidates (a stage as fast as an even
+    split of its least chain of per-layer strategies)."""
     world, limit = cluster.num_devices, cluster.device_memory
     all_meshes = [m for m in meshes(world, graph, c, cluster.devices_per_node) if c.families is None or family(m) in c.families]
     if not all_meshes:
@@ -277,7 +288,9 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     log = _Log()
     cache: dict = {}
     norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)  # refuses pipelines
-    pending = []  # (lower bound of step time, mesh, m, z, ckpt)
+    heaviest = max(graph.layers, key=lambda layer: layer.flops)
+    pending = []  # a heap of (lower bound of step time, order, mesh, candidate (m, z, ckpt) or None for all)
+    order, total = itertools.count(), 0
     for mesh in all_meshes:
         dp, grid, tp, pp = mesh
         try:
@@ -289,23 +302,26 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
             log.fail(mesh, f"pp={pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would take "
                            "per micro-batch, unlike one process on the batch")
             continue
-        per_replica = c.global_batch // dp
-        # the replica's batch in one micro-batch, every split allowed: a lower bound for any sharding
-        _, whole = _chain(graph, cluster, c, mesh, per_replica, 0, cache)
-        for m in micro_batch_counts(per_replica, pp, c):
-            # Every cost is affine in the micro-batch with a non-negative constant, so one micro-batch of
-            # 1/m of the samples takes at least 1/m of the time; a stage at least 1/pp of that.
-            total = sum(whole.time) / m
-            for z in (c.sharding if dp * math.prod(grid) > 1 else (0,)):
-                for ckpt in c.checkpointing:
-                    pending.append(((m - 1) * total / pp + total, mesh, m, z, ckpt))
-    pending.sort(key=lambda p: p[0])
+        total += len(_settings(c, mesh))
+        pending.append((_layer_floor(graph, heaviest, cluster, c, mesh, c.global_batch // dp, cache), next(order),
+                        mesh, None))
+    heapq.heapify(pending)
     found: list[Candidate] = []
     best_per_mesh: dict = {}
-    for bound, mesh, m, z, ckpt in pending:
+    while pending:
+        bound, _, mesh, setting = heapq.heappop(pending)
         if len(best_per_mesh) >= c.top and bound >= sorted(best_per_mesh.values())[c.top - 1]:
             log.skip(mesh, bound)
             continue
+        if setting is None:
+            # the replica's batch in one micro-batch, every split allowed: a lower bound for any sharding.
+            # Every cost is affine in the micro-batch with a non-negative constant, so one micro-batch of
+            # 1/m of the samples takes at least 1/m of the time.
+            floor = _floor(graph, cluster, c, mesh, c.global_batch // mesh[0], cache)
+            for m, z, ckpt in _settings(c, mesh):
+                heapq.heappush(pending, (floor.bound(m, mesh[3], ckpt, 1 / m), next(order), mesh, (m, z, ckpt)))
+            continue
+        m, z, ckpt = setting
         if mesh in best_per_mesh and bound >= best_per_mesh[mesh]:
             continue
         beat = sorted(best_per_mesh.values())[c.top - 1] if len(best_per_mesh) >= c.top else math.inf
@@ -325,7 +341,7 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
         if cand.mesh not in seen and len(plans) < c.top:
             plans.append(cand.plan)
             seen.add(cand.mesh)
-    return SearchResult(plans, log.explain(found), len(pending), log.closest[1])
+    return SearchResult(plans, log.explain(found), total, log.closest[1])
 
 
 class _Log:
@@ -379,6 +395,64 @@ def _chain(graph, cluster, c, mesh, micro_batch, sharding, cache) -> tuple[Chain
     return cache[key]
 
 
+@dataclass(frozen=True)
+class _Floor:
+    """What no chain of a mesh and micro-batch can go below, whatever its sharding level: the least
+    chain time, the slowest layer's fastest option (a unit holds at least one layer) and the sum of
+    the layers' least forward times (what checkpointing recomputes)."""
+
+    time: float
+    layer: float
+    forward: float
+
+    def bound(self, m: int, pp: int, ckpt: bool, scale: float = 1.0) -> float:
+        """A lower bound of the step time of ``m`` micro-batches over ``pp`` stages, each micro-batch
+        taking at least ``scale`` of this floor's."""
+        total = (self.time + (self.forward if ckpt else 0.0)) * scale
+        return (m - 1) * max(total / pp, self.layer * scale) + total
+
+
+def _settings(c: Constraints, mesh) -> list[tuple[int, int, bool]]:
+    """The ``(micro-batches, ZeRO level, checkpointing)`` the search tries on ``mesh``."""
+    dp, grid, _, pp = mesh
+    levels = c.sharding if dp * math.prod(grid) > 1 else (0,)
+    return [(m, z, ckpt) for m in micro_batch_counts(c.global_batch // dp, pp, c) for z in levels
+            for ckpt in c.checkpointing]
+
+
+def _layer_floor(graph, layer, cluster, c, mesh, micro_batch, cache) -> float:
+    """The least time of ``layer`` over its strategies at ``micro_batch``: no candidate of the mesh with
+    that many samples per replica is faster (its micro-batches, whatever their count, pass the layer)."""
+    dp, grid, tp, _ = mesh
+    ctx = _context(cluster, c, dp, grid, tp, micro_batch)
+    return min(o.time for o in _options(layer, graph, ctx, layer.inputs == (layer.index - 1,), cache))
+
+
+def _floor(graph, cluster, c, mesh, micro_batch, cache) -> _Floor:
+    dp, grid, tp, _ = mesh
+    key = ("floor", mesh, micro_batch)
+    if key not in cache:
+        chain, _ = _chain(graph, cluster, c, mesh, micro_batch, 0, cache)
+        ctx = _context(cluster, c, dp, grid, tp, micro_batch)
+        kinds = [(_options(layer, graph, ctx, chained, cache), count) for layer, chained, count in _distinct(graph, cache)]
+        cache[key] = _Floor(sum(chain.options[i].time + chain.redistribution[i] for i in range(len(chain.options))),
+                            max(min(o.time for o in opts) for opts, _ in kinds),
+                            sum(count * min(o.forward for o in opts) for opts, count in kinds))
+    return cache[key]
+
+
+def _distinct(graph, cache) -> list[tuple]:
+    """``(layer, chained, count)`` for each kind of layer of the graph (one signature and input), priced alike."""
+    if "distinct" not in cache:
+        kinds: dict = {}
+        for layer in graph.layers:
+            chained = layer.inputs == (layer.index - 1,)
+            first, count = kinds.get((layer.signature, chained), (layer, 0))
+            kinds[(layer.signature, chained)] = (first, count + 1)
+        cache["distinct"] = [(layer, chained, count) for (_, chained), (layer, count) in kinds.items()]
+    return cache["distinct"]
+
+
 def _splits_convs(graph: ModelGraph, chain: Chain) -> bool:
     return any(o.strategy in ("column", "row") and layer.kind == "conv"
                for layer, o in zip(graph.layers, chain.options))
@@ -388,7 +462,12 @@ def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) ->
     """The candidate priced, or not if the bound of its own per-layer times (checked before the cut
     search) cannot beat ``beat``."""
     dp, grid, tp, pp = mesh
-    chain, units = _chain(graph, cluster, c, mesh, c.global_batch // (dp * m), z, cache)
+    micro_batch = c.global_batch // (dp * m)
+    if z and ("units", _context(cluster, c, dp, grid, tp, micro_batch, sharding=z)) not in cache:
+        bound = _floor(graph, cluster, c, mesh, micro_batch, cache).bound(m, pp, ckpt)
+        if bound >= beat:  # not worth solving the sharded chain
+            return Candidate(mesh, m, z, ckpt, bound=bound)
+    chain, units = _chain(graph, cluster, c, mesh, micro_batch, z, cache)
     if len(units) < pp:
         return Candidate(mesh, m, z, ckpt, reason=f"pp={pp}: the model has only {len(units)} places to start a "
                                                   "stage")
