@@ -276,6 +276,10 @@ def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, c
     assert 0 < spec.reserved_memory < spec.device_memory
     # the quick conv grid (2 x 2 x 2 points) and the row scaled to 8x its largest positions; two sizes per op
     assert len(spec.conv_rates) == 12 and {r.positions for r in spec.conv_rates} == {2**11, 2**14, 2**17}
+    # the slow kernel's quick grid; a thin batch-1 conv runs slower on it than on the fast one
+    assert spec.fast_conv_min == 20480 and len(spec.slow_conv_rates) == 8
+    slow, fast = (spec.conv_flops("float32", 16, 64, 2**13, work=work)[0] for work in (16 * 16 * 16, 0))
+    assert slow < fast
     ops = [r.op for r in spec.op_rates]
     assert {"MaxPool3d", "InstanceNorm3d", "ConvTranspose3d", "add", "cat", "LayerNorm"} <= set(ops)
     assert all(ops.count(op) == 2 for op in ops)
@@ -308,9 +312,15 @@ def test_conv_rates_round_trip_and_interpolate_in_log_space():
     # half way in log2 along every axis: the geometric mean of the corners
     assert spec.conv_flops("float32", 4, 16, 2**15) == pytest.approx((1e9 * 4 * 16, 5e9, 8e9 / 2**0.5))
     assert spec.conv_flops("float32", 256, 1024, 2**30) == pytest.approx((1e9 * 16 * 64, 5e9, 4e9))  # clamped
-    slow = dataclasses.replace(spec, fast_conv_min=20480, slow_conv_factor=0.25)
+    # PyTorch's slow CPU kernel (a batch of one, N*C*D*H up to fast_conv_min): its own grid, here a quarter
+    quarter = [dataclasses.replace(r, forward=r.forward / 4, input_grad=r.input_grad / 4, weight_grad=r.weight_grad / 4)
+               for r in rows]
+    slow = dataclasses.replace(spec, fast_conv_min=20480, slow_conv_rates=quarter)
+    assert cluster_from_toml(cluster_to_toml(slow)) == slow
     assert slow.conv_flops("float32", 1, 4, 2**10, work=4096) == pytest.approx((1e9, 1.25e9, 2e9))
+    assert slow.conv_flops("float32", 4, 16, 2**15, work=4096) == pytest.approx((16e9, 1.25e9, 2e9 / 2**0.5))
     assert slow.conv_flops("float32", 1, 4, 2**10, work=40960) == pytest.approx((4e9, 5e9, 8e9))
+    assert slow.conv_flops("float32", 1, 4, 2**10) == pytest.approx((4e9, 5e9, 8e9))  # work 0: not a slow conv
     # other dtypes, and specs without rows: efficiency.conv of the peak (TF32 for float32 where the device has it)
     assert spec.conv_flops("bfloat16", 3, 3, 10) == (spec.flops("bfloat16", "conv"),) * 3
     plain = preset("a100-80")
@@ -325,6 +335,16 @@ def test_conv_rates_are_checked():
         ConvRate("float8", 4, 8, 64, 1.0, 1.0, 1.0)
     with pytest.raises(ClusterError, match=r"lacks \(in, out, positions\) = \(16, 64, 1048576\)"):
         dataclasses.replace(preset("a100-80"), conv_rates=_grid(lambda p: (1.0, 1.0, 1.0))[:-1])
+    with pytest.raises(ClusterError, match=r"slow_conv_rates for float32 lacks \(in, out, positions\)"):
+        dataclasses.replace(preset("a100-80"), fast_conv_min=20480,
+                            slow_conv_rates=_grid(lambda p: (1.0, 1.0, 1.0))[1:])
+    with pytest.raises(ClusterError, match=r"fast_conv_min is given without slow_conv_rates; give both"):
+        dataclasses.replace(preset("a100-80"), fast_conv_min=20480)
+    with pytest.raises(ClusterError, match=r"slow_conv_rates is given without fast_conv_min"):
+        dataclasses.replace(preset("a100-80"), slow_conv_rates=_grid(lambda p: (1.0, 1.0, 1.0)))
+    with pytest.raises(ClusterError, match=r"old.toml: slow_conv_factor is no longer read.*rerun `hybridpar calib"):
+        cluster_from_toml("fast_conv_min = 20480\nslow_conv_factor = 0.1\n" + cluster_to_toml(preset("a100-80")),
+                          "old.toml")
     text = cluster_to_toml(preset("a100-80")) + '\n[[conv_rates]]\ndtype = "float32"\nin_channels = 4\n'
     with pytest.raises(ClusterError, match=r"c.toml: missing key conv_rates\[0\].out_channels"):
         cluster_from_toml(text, "c.toml")

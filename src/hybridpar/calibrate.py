@@ -12,7 +12,9 @@ oversubscription and shared memory bandwidth are measured, not assumed. Per work
   forward, the input gradient and the weight gradient (on CPUs a thin conv runs at a tenth of a wide one's
   rate, a weight gradient from few channels slower still; the planner interpolates in log2 of all three);
   one more positions row, ``LARGE_FACTOR`` times the largest, scaled from a 16 -> 16 conv measured at both;
-- a batch-1 conv on PyTorch's slow CPU kernel against the same conv in a batch of 2 -> ``slow_conv_factor``;
+- the same passes of a batch-1 conv on PyTorch's slow CPU kernel (what it runs one sample of small ``N·C·D·H``
+  on; called by name, ``aten.slow_conv3d``, to reach it everywhere) over ``SLOW_CONV_GRID`` -> ``slow_conv_rates``:
+  its rate against the fast kernel's ranges from a tenth (thin channels, large volumes) to about one;
 - ``a + b`` on 64 MiB tensors into a fresh output (3 x 64 MiB moved) -> ``memory_bandwidth``: eager training
   writes every activation to a new tensor, so first-touch page faults are part of the bandwidth it sees;
 - the memory-bound layers of ``OP_BENCHMARKS`` (pooling, normalisation, activations, a stride-2 transposed
@@ -65,7 +67,10 @@ CONV_GRID_QUICK = ((1, 16), (4, 64), (2**11, 2**14))
 # 16 -> 16 conv (measuring every channel pair there would take minutes).
 REFERENCE_CONV = (16, 16)
 LARGE_FACTOR = 8
-SLOW_CONV = (16, 16, 2**13)  # a batch-1 conv from (1, 16, 16, 16, 32): N*C*D*H = 4096, the slow kernel
+# slow_conv_rates: the same axes for a batch of 1 on the slow kernel (its domain, N*C*D*H <= FAST_CONV_MIN, holds
+# smaller volumes than the fast grid's)
+SLOW_CONV_GRID = ((1, 4, 16, 64), (4, 16, 64), (2**10, 2**13, 2**16))
+SLOW_CONV_GRID_QUICK = ((1, 16), (4, 64), (2**10, 2**13))
 
 
 class _Join(nn.Module):
@@ -140,6 +145,10 @@ class Settings:
         return tuple(itertools.product(*grid))
 
     @property
+    def slow_conv_grid(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(itertools.product(*(SLOW_CONV_GRID_QUICK if self.quick else SLOW_CONV_GRID)))
+
+    @property
     def sizes(self) -> tuple[int, ...]:
         """Message sizes in bytes: 4 B to 64 MiB, by 16x (quick) or 4x."""
         return tuple(4 * 16**i for i in range(7)) if self.quick else tuple(4 * 4**i for i in range(13))
@@ -205,7 +214,7 @@ def _measure_compute(settings: Settings) -> dict:
     grid = [_conv_steps(*point, dtype) for point in settings.conv_grid]
     largest = max(p[2] for p in settings.conv_grid)
     grid += [_conv_steps(*REFERENCE_CONV, positions, dtype) for positions in (largest, LARGE_FACTOR * largest)]
-    grid += [_conv_steps(*SLOW_CONV, dtype, batch=batch) for batch in (1, 2)]
+    grid += [_conv_steps(*point, dtype, batch=1) for point in settings.slow_conv_grid]
     ops = [_op_steps(make, (settings.quick, large), dtype) for make in OP_BENCHMARKS for large in (False, True)]
     for _, steps in grid:
         fns += steps
@@ -213,10 +222,8 @@ def _measure_compute(settings: Settings) -> dict:
         fns += steps
     times = iter([statistics.median(t) for t in _interleaved_times(fns, settings.repeats)])
     values = [2 * n**3 / next(times), conv_flops / next(times), 3 * MEMORY_BYTES / next(times)]
-    for flops, _ in grid[:-2]:
+    for flops, _ in grid:
         values += [flops / next(times), flops / next(times), flops / next(times)]  # forward, input, weight gradient
-    slow, fast = [flops / (next(times) + next(times) + next(times)) for flops, _ in grid[-2:]]
-    values.append(min(slow / fast, 1.0))
     for _, op_bytes, _ in ops:
         values += [op_bytes / next(times), op_bytes / next(times)]
     values = iter(_median_over_ranks(values))
@@ -228,23 +235,29 @@ def _measure_compute(settings: Settings) -> dict:
             rates[cin, cout, LARGE_FACTOR * largest] = tuple(r * b / a for r, a, b in zip(rates[cin, cout, positions],
                                                                                          small, large))
     result["conv_rates"] = [(*point, *r) for point, r in rates.items()]
-    result["slow_conv_factor"] = next(values)
+    result["slow_conv_rates"] = [(*point, next(values), next(values), next(values))
+                                 for point in settings.slow_conv_grid]
     result["op_rates"] = [(*op, next(values), next(values)) for op, _, _ in ops]
     return result
 
 
 def _conv_steps(in_channels: int, out_channels: int, positions: int, dtype: torch.dtype, batch: int = 2):
     """Forward FLOPs of a 3x3x3 conv from ``in_channels`` to ``out_channels`` over ``positions`` output
-    positions in a batch of ``batch`` (two: PyTorch's fast CPU kernel; one, thin: its slow kernel), and
-    three timed functions: its forward, its input gradient, its weight gradient (each backward alone, on a
-    forward kept for it)."""
+    positions in a batch of ``batch`` (two: PyTorch's fast CPU kernel; one: its slow kernel, called by name so
+    that it runs at every size), and three timed functions: its forward, its input gradient, its weight
+    gradient (each backward alone, on a forward kept for it)."""
     dims = _conv_dims(positions // batch)
     x = torch.randn(batch, in_channels, *dims, dtype=dtype)
     w = torch.randn(out_channels, in_channels, 3, 3, 3, dtype=dtype) / (in_channels * 27) ** 0.5
     grad_out = torch.randn(batch, out_channels, *dims, dtype=dtype)
     flops = 2 * batch * math.prod(dims) * out_channels * in_channels * 27
-    return flops, [lambda: F.conv3d(x, w, padding=1), *_backward_steps(lambda x, w: F.conv3d(x, w, padding=1),
-                                                                       (x, w), grad_out, separate=True)]
+
+    def conv(x, w):
+        if batch == 1:  # what F.conv3d runs for one sample of small N*C*D*H
+            return torch.ops.aten.slow_conv3d(x, w, [3, 3, 3], None, [1, 1, 1], [1, 1, 1])
+        return F.conv3d(x, w, padding=1)
+
+    return flops, [lambda: conv(x, w), *_backward_steps(conv, (x, w), grad_out, separate=True)]
 
 
 def _backward_steps(fn, inputs, grad_out, separate: bool) -> list:
@@ -507,7 +520,8 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
         memory_bandwidth=result["memory_bandwidth"], intra_node=link, inter_node=link,
         conv_rates=tuple(ConvRate(settings.dtype, *row) for row in result["conv_rates"]),
         op_rates=tuple(OpRate(*row) for row in result["op_rates"]),
-        fast_conv_min=FAST_CONV_MIN, slow_conv_factor=result["slow_conv_factor"],
+        fast_conv_min=FAST_CONV_MIN,
+        slow_conv_rates=tuple(ConvRate(settings.dtype, *row) for row in result["slow_conv_rates"]),
     )
     when = datetime.datetime.now().isoformat(timespec="seconds")
     comment = (f"Measured by `hybridpar calibrate --nproc {nproc} --dtype {settings.dtype}"
@@ -517,15 +531,12 @@ def _calibration(result: dict, nproc: int, settings: Settings, notes: list[str])
                        {k: tuple(v) for k, v in result["collective_times"].items()}, n, tuple(notes), comment)
 
 
-def _conv_summary(spec: ClusterSpec) -> list[tuple[str, str, str]]:
-    """The conv grid in three rows: each pass's slowest and fastest rate."""
-    rows = spec.conv_rates
-    if not rows:
-        return []
+def _conv_summary(rows, kernel: str) -> list[tuple[str, str, str]]:
+    """A conv grid in three rows: each pass's slowest and fastest rate."""
     out = []
-    for field in ("forward", "input_grad", "weight_grad"):
+    for field in ("forward", "input_grad", "weight_grad") if rows else ():
         rates = [getattr(r, field) for r in rows]
-        out.append((f"conv3d k=3 {field.replace('_', ' ')} over {len(rows)} (in, out, positions)",
+        out.append((f"conv3d k=3 {field.replace('_', ' ')}{kernel} over {len(rows)} (in, out, positions)",
                     f"{min(rates) / 1e9:.1f} to {max(rates) / 1e9:.1f}", "GFLOP/s"))
     return out
 
@@ -549,11 +560,10 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
         ("conv3d forward + backward", f"{cal.conv_flops / 1e9:.1f}", "GFLOP/s"),
         ("efficiency.conv", f"{spec.efficiency['conv']:.3f}", ""),
         ("memory bandwidth (into a fresh tensor)", f"{spec.memory_bandwidth / 1e9:.2f}", "GB/s"),
-        *_conv_summary(spec),
+        *_conv_summary(spec.conv_rates, ""),
+        *_conv_summary(spec.slow_conv_rates, f", slow kernel (batch 1, N*C*D*H <= {spec.fast_conv_min})"),
         *((f"{r.op} moving {r.bytes / 2**20:.1f} MiB: forward / backward", f"{r.forward / 1e9:.1f} / "
            f"{r.backward / 1e9:.1f}", "GB/s") for r in spec.op_rates),
-        (f"conv on PyTorch's slow CPU kernel (N*C*D*H <= {spec.fast_conv_min})", f"{spec.slow_conv_factor:.2f}",
-         "x the fast rate"),
         ("point-to-point latency", f"{link.latency * 1e6:.1f}", "µs"),
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
         ("wait of an exchange after compute (sync_wait)", f"{link.sync_wait * 1e6:.1f}", "µs"),

@@ -191,20 +191,21 @@ class ClusterSpec:
     conv_rates: tuple[ConvRate, ...] = ()
     op_rates: tuple[OpRate, ...] = ()
     # Optional, CPUs: PyTorch runs a conv of one sample with a kernel up to 3 wide on its fast (oneDNN) kernel only
-    # when N*C*D*H of its input exceeds `fast_conv_min`; below, on a slower one, at `slow_conv_factor` times the
-    # rate (calibrate measures it).
+    # when N*C*D*H of its input exceeds `fast_conv_min`; below, on a slower one, whose rates on the same grid
+    # axes are `slow_conv_rates` (calibrate measures them; given together).
     fast_conv_min: int = 0
-    slow_conv_factor: float = 1.0
+    slow_conv_rates: tuple[ConvRate, ...] = ()
 
     def __post_init__(self):
         owner = f"ClusterSpec {self.name!r}"
-        for field, kind in (("conv_rates", ConvRate), ("op_rates", OpRate)):
+        for field, kind in (("conv_rates", ConvRate), ("slow_conv_rates", ConvRate), ("op_rates", OpRate)):
             rows = tuple(getattr(self, field))
             if not all(isinstance(row, kind) for row in rows):
                 raise ClusterError(f"{owner}: {field} holds {rows!r}: give {kind.__name__} rows")
             object.__setattr__(self, field, tuple(sorted(rows)))
         # lookup tables of log rates, built once (the search prices every layer of every candidate with them)
-        object.__setattr__(self, "_conv_tables", self._conv_grids(owner))
+        object.__setattr__(self, "_conv_tables", self._conv_grids(owner, "conv_rates"))
+        object.__setattr__(self, "_slow_conv_tables", self._conv_grids(owner, "slow_conv_rates"))
         object.__setattr__(self, "_op_tables", self._op_curves(owner))
         for field in ("peak_flops", "efficiency"):
             if not isinstance(getattr(self, field), Mapping):
@@ -220,24 +221,27 @@ class ClusterSpec:
         self._check_flops(owner)
         if isinstance(self.fast_conv_min, bool) or not isinstance(self.fast_conv_min, int) or self.fast_conv_min < 0:
             raise ClusterError(f"{owner}: fast_conv_min = {self.fast_conv_min!r}: must be a whole number >= 0")
-        _check_positive(f"{owner}: slow_conv_factor", self.slow_conv_factor)
-        if self.slow_conv_factor > 1:
-            raise ClusterError(f"{owner}: slow_conv_factor = {self.slow_conv_factor!r}: a fraction in (0, 1]")
+        if bool(self.fast_conv_min) != bool(self.slow_conv_rates):
+            given, lacking = (("fast_conv_min", "slow_conv_rates") if self.fast_conv_min else
+                              ("slow_conv_rates", "fast_conv_min"))
+            raise ClusterError(f"{owner}: {given} is given without {lacking}; give both (hybridpar calibrate measures "
+                               "them) or neither")
         for field in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, field), Link):
                 raise ClusterError(f"{owner}: {field} = {getattr(self, field)!r}: must be a Link")
 
-    def _conv_grids(self, owner: str) -> dict:
+    def _conv_grids(self, owner: str, field: str) -> dict:
         """Per dtype: the log2 of each axis's points (in, out, positions) and the log rates by grid index;
         the rows must fill the grid (every in x out x positions combination once) to interpolate."""
         tables = {}
-        for dtype in {row.dtype for row in self.conv_rates}:
-            rows = {row.point: row for row in self.conv_rates if row.dtype == dtype}
+        table = getattr(self, field)
+        for dtype in {row.dtype for row in table}:
+            rows = {row.point: row for row in table if row.dtype == dtype}
             axes = [sorted({p[i] for p in rows}) for i in range(3)]
             missing = [p for p in itertools.product(*axes) if p not in rows]
-            if missing or len(rows) < sum(row.dtype == dtype for row in self.conv_rates):
+            if missing or len(rows) < sum(row.dtype == dtype for row in table):
                 what = f"lacks (in, out, positions) = {missing[0]}" if missing else "repeats a point"
-                raise ClusterError(f"{owner}: conv_rates for {dtype} {what}; give one row for every combination of "
+                raise ClusterError(f"{owner}: {field} for {dtype} {what}; give one row for every combination of "
                                    f"in_channels {axes[0]}, out_channels {axes[1]} and positions {axes[2]}")
             logs = {tuple(axes[a].index(p[a]) for a in range(3)):
                     tuple(math.log(r) for r in (row.forward, row.input_grad, row.weight_grad))
@@ -297,27 +301,16 @@ class ClusterSpec:
                    work: int = 0) -> tuple[float, float, float]:
         """Achievable FLOP/s of a conv's forward, input gradient and weight gradient: the measured
         ``conv_rates`` of ``dtype`` interpolated in log2 of channels in and out and of output positions (log
-        rates, trilinear, clamped at the grid's ends), or ``efficiency["conv"]`` of peak; times
-        ``slow_conv_factor`` when ``work`` (N*C*D*H of the input) is at most ``fast_conv_min``."""
-        rates = self._conv_flops(dtype, in_channels, out_channels, positions)
-        if work and work <= self.fast_conv_min:
-            return tuple(rate * self.slow_conv_factor for rate in rates)
-        return rates
-
-    def _conv_flops(self, dtype: str, in_channels: int, out_channels: int, positions: float):
+        rates, trilinear, clamped at the grid's ends), or ``efficiency["conv"]`` of peak; the
+        ``slow_conv_rates`` alike when ``work`` (N*C*D*H of the input) is at most ``fast_conv_min``."""
+        if work and work <= self.fast_conv_min and dtype in self._slow_conv_tables:
+            return _interpolate(self._slow_conv_tables[dtype], in_channels, out_channels, positions)
         if dtype not in self._conv_tables:
             if dtype == "float32" and "tfloat32" in self.peak_flops:
                 dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
             rate = self.flops(dtype, "conv")
             return rate, rate, rate
-        axes, logs = self._conv_tables[dtype]
-        out = [0.0, 0.0, 0.0]
-        for (i, a), (j, b), (k, c) in itertools.product(_log2_weights(axes[0], in_channels),
-                                                        _log2_weights(axes[1], out_channels),
-                                                        _log2_weights(axes[2], positions)):
-            for q, log_rate in enumerate(logs[i, j, k]):
-                out[q] += a * b * c * log_rate
-        return tuple(math.exp(v) for v in out)
+        return _interpolate(self._conv_tables[dtype], in_channels, out_channels, positions)
 
     def op_rate(self, op: str, num_bytes: float) -> tuple[float, float]:
         """Bytes/s of the forward and the backward of a layer ``op`` moving ``num_bytes``: its measured
@@ -353,6 +346,19 @@ class ClusterSpec:
             raise ClusterError(f"a group of {num_devices_in_group} devices cannot stay inside one "
                                f"{self.devices_per_node}-device {self.name} node; pass spans_nodes=True")
         return self.inter_node if spans_nodes else self.intra_node
+
+
+def _interpolate(table, in_channels: int, out_channels: int, positions: float) -> tuple[float, float, float]:
+    """The rates of a conv grid (``ClusterSpec._conv_grids``) at a point: log rates, trilinear in log2 of the
+    axes, clamped at the grid's ends."""
+    axes, logs = table
+    out = [0.0, 0.0, 0.0]
+    for (i, a), (j, b), (k, c) in itertools.product(_log2_weights(axes[0], in_channels),
+                                                    _log2_weights(axes[1], out_channels),
+                                                    _log2_weights(axes[2], positions)):
+        for q, log_rate in enumerate(logs[i, j, k]):
+            out[q] += a * b * c * log_rate
+    return tuple(math.exp(v) for v in out)
 
 
 def _one_node(name: str, memory_gib: float, hbm_gbs: float, tflops: dict, link_gbs: float, nic_gbs: float,

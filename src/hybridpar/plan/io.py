@@ -21,15 +21,14 @@ TOP = {  # key -> (ClusterSpec field, unit); tables are read by their own functi
     "memory_bandwidth_gbs": ("memory_bandwidth", "GB/s"), "peak_tflops": ("peak_flops", "table"),
     "efficiency": ("efficiency", "table"), "intra_node": ("intra_node", "table"), "inter_node": ("inter_node", "table"),
     "conv_rates": ("conv_rates", "table"), "op_rates": ("op_rates", "table"),
-    "fast_conv_min": ("fast_conv_min", "optional"),
-    "slow_conv_factor": ("slow_conv_factor", "optional"),
+    "fast_conv_min": ("fast_conv_min", "optional"), "slow_conv_rates": ("slow_conv_rates", "table"),
 }
 # keys of the optional rows: key -> (field, unit)
 CONV_RATE = {"dtype": ("dtype", "str"), "in_channels": ("in_channels", "int"), "out_channels": ("out_channels", "int"),
              "positions": ("positions", "int"), "forward_gflops": ("forward", "GFLOP/s"),
              "input_grad_gflops": ("input_grad", "GFLOP/s"), "weight_grad_gflops": ("weight_grad", "GFLOP/s")}
 OP_RATE = {"op": ("op", "str"), "bytes": ("bytes", "int"), "forward_gbs": ("forward", "GB/s"), "backward_gbs": ("backward", "GB/s")}
-ROWS = {"conv_rates": (ConvRate, CONV_RATE), "op_rates": (OpRate, OP_RATE)}
+ROWS = {"conv_rates": (ConvRate, CONV_RATE), "slow_conv_rates": (ConvRate, CONV_RATE), "op_rates": (OpRate, OP_RATE)}
 LINK = {  # key -> (Link field, unit, required)
     "bandwidth_gbs": ("bandwidth", "GB/s", True), "latency_us": ("latency", "us", True),
     "collective_bandwidth_gbs": ("collective_bandwidth", "GB/s", False),
@@ -78,8 +77,7 @@ def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
         if unit in ("GiB", "GB/s"):
             lines.append(f"{key} = {_to_toml(getattr(spec, field), unit)}")
     if spec.fast_conv_min:
-        lines += [f"fast_conv_min = {spec.fast_conv_min}",
-                  f"slow_conv_factor = {_to_toml(spec.slow_conv_factor, 'fraction')}"]
+        lines.append(f"fast_conv_min = {spec.fast_conv_min}")
     lines += ["", "[peak_tflops]"]
     lines += [f"{d} = {_to_toml(spec.peak_flops[d], 'TFLOP/s')}" for d in DTYPES if d in spec.peak_flops]
     lines += ["", "[efficiency]"] + [f"{k} = {_to_toml(spec.efficiency[k], 'fraction')}" for k in KINDS]
@@ -111,6 +109,10 @@ def write_cluster(spec: ClusterSpec, path: str | Path, comment: str = "") -> Non
 
 
 def _parse(table: dict) -> ClusterSpec:
+    if "slow_conv_factor" in table:
+        raise ClusterError("slow_conv_factor is no longer read: the slow conv kernel's rate depends on the conv's "
+                           "shape, measured as [[slow_conv_rates]]; rerun `hybridpar calibrate` to write this file "
+                           "anew")
     _check_keys(table, TOP, "", "the top level")
     values = {}
     for key, (field, unit) in TOP.items():
@@ -118,7 +120,6 @@ def _parse(table: dict) -> ClusterSpec:
             values[field] = _value(table, key, "", unit)
     if "fast_conv_min" in table:
         values["fast_conv_min"] = _value(table, "fast_conv_min", "", "int")
-        values["slow_conv_factor"] = _value(table, "slow_conv_factor", "", "fraction")
     values["peak_flops"] = _peak_flops(_table(table, "peak_tflops"))
     values["efficiency"] = _efficiency(_table(table, "efficiency"))
     for section in ("intra_node", "inter_node"):
@@ -148,7 +149,7 @@ def _efficiency(table: dict) -> dict[str, float]:
 
 
 def _rows(rows, section: str) -> tuple:
-    """The optional ``[[conv_rates]]`` or ``[[op_rates]]`` rows."""
+    """The optional ``[[conv_rates]]``, ``[[slow_conv_rates]]`` or ``[[op_rates]]`` rows."""
     kind, keys = ROWS[section]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ClusterError(f"{section} = {_show(rows)}: expected [[{section}]] tables")

@@ -434,7 +434,8 @@ def _floor(graph, cluster, c, mesh, micro_batch, cache) -> _Floor:
     if key not in cache:
         chain, _ = _chain(graph, cluster, c, mesh, micro_batch, 0, cache)
         ctx = _context(cluster, c, dp, grid, tp, micro_batch)
-        kinds = [(_options(layer, graph, ctx, chained, cache), count) for layer, chained, count in _distinct(graph, cache)]
+        kinds = [(_options(layer, graph, ctx, chained, cache), count)
+                 for layer, chained, count in _distinct(graph, cache)]
         cache[key] = _Floor(sum(chain.options[i].time + chain.redistribution[i] for i in range(len(chain.options))),
                             max(min(o.time for o in opts) for opts, _ in kinds),
                             sum(count * min(o.forward for o in opts) for opts, count in kinds))
