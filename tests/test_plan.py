@@ -135,22 +135,29 @@ def test_collective_formulas():
     assert cost.model_state_memory(100.0, 1, 4, "sgd") == (100.0, 100.0, 25.0)
 
 
-def test_ranks_that_meet_wait_once_per_pass():
+def test_ranks_that_meet_wait_once_per_meeting():
     link = Link(bandwidth=1e9, latency=1e-6, sync_wait=1e-3)
     group = cost.Group(4, link)
     assert cost.all_reduce_time(8e6, group) == pytest.approx(4e-6 + 1.5 * 8e6 / 1e9)  # the operations themselves
     assert cost.halo_exchange_time((1e6, 0.0, 1e6), link) == pytest.approx(2 * (1e-6 + 1e-3))
     plain = cost.gradient_sync_time(8e6, cost.Group(4, Link(bandwidth=1e9, latency=1e-6)), 1.0, 0)
     assert cost.gradient_sync_time(8e6, group, 1.0, 0) == pytest.approx(plain + 1e-3)
-    # a layer whose passes communicate waits once per pass, however many operations it runs
+    # a layer whose passes communicate waits once per pass (its exchanges along both split dims follow one
+    # another at once), a split normalisation twice per pass (sums, then sums of squares), the first conv
+    # only in forward (its input needs no gradient)
     graph = graph_of(TinyUNet(width=4), (2, 1, 16, 16, 16))
     spec = dataclasses.replace(small_cluster(4), intra_node=link, inter_node=link)
     ctx = _ctx(graph, spec, grid=(2, 2, 1), tp=1, micro_batch=2)
+    meetings = {}
     for layer in graph.layers:
         option = layer_options(layer, graph, ctx, True)[0]
-        talks = any(option.comm.get(k) for k in ("halo", "spatial"))
-        assert option.comm.get("sync", 0.0) == (2e-3 if talks else 0.0)
-    assert any(o.comm.get("sync") for o in (layer_options(l, graph, ctx, True)[0] for l in graph.layers))
+        if any(option.comm.get(k) for k in ("halo", "spatial")):
+            meetings.setdefault(layer.kind, set()).add(round(option.comm["sync"] / 1e-3, 9))
+        else:
+            assert "sync" not in option.comm, layer.name
+    first = graph.layers[0]
+    assert first.kind == "conv" and layer_options(first, graph, ctx, True)[0].comm["sync"] == pytest.approx(1e-3)
+    assert meetings["group_norm"] == {4} and meetings["conv"] == {1, 2}
 
 
 def test_fsdp_gathers_once_per_wrapped_block():

@@ -22,11 +22,17 @@ oversubscription and shared memory bandwidth are measured, not assumed. Per work
   model analysis counts for the layer.
 
 Each timed repeat starts after a barrier; a worker's number is the median of its repeats, the machine's the
-median over workers. Communication: ping-pong between ranks 0 and 1 over message sizes, fitted to
-``latency + bytes / bandwidth``; all-reduce over all N ranks, fitted to the ring model
-``2(N-1) step_latency + 2(N-1)/N bytes / bus_bandwidth``, and all-gather and reduce-scatter to half of it,
-each with its own rates (on gloo a reduce-scatter takes longer than an all-reduce); the wait of an exchange
-that follows compute (``sync_wait``, ``_sync_wait``). With N = 1 there is nobody to talk to: compute is measured by one worker
+median over workers. Where the workers' threads outnumber the cores (``--nproc 4`` on 2 cores), a repeat
+times a run of back-to-back calls of at least ``SHARED_CORE_SECONDS``: a call shorter than the scheduler's
+turn would often run whole in one turn and time as if it had a core of its own.
+A worker done with its timed calls keeps computing, untimed, until all are: all work at once, as in a
+training step.
+
+Communication: ping-pong between ranks 0 and 1 over message sizes, fitted to ``latency + bytes /
+bandwidth``; all-reduce over all N ranks, fitted to the ring model ``2(N-1) step_latency + 2(N-1)/N bytes /
+bus_bandwidth``, and all-gather and reduce-scatter to half of it, each with its own rates (on gloo a
+reduce-scatter takes longer than an all-reduce); what a step loses per exchange that follows compute
+(``sync_wait``, ``_sync_wait``). With N = 1 there is nobody to talk to: compute is measured by one worker
 alone, communication by a second launch of 2 workers (and ``sync_wait`` is 0). One machine has no
 inter-node link: ``inter_node`` is a copy of ``intra_node`` (said in the TOML file's header).
 """
@@ -121,7 +127,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 # torch 2.13 names them *_single and deprecates the *_tensor names, which older releases have alone
 ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-SYNC_CONV_INPUT = (2, 16, 16, 32, 32)  # the conv each rank runs before the exchanges of _sync_wait (a few ms)
+# _sync_wait's sequences: SYNC_CONVS convs on slabs (2, C, depth, 32, 32) of one depth each, about 0.3 to
+# 10 ms a conv on one core (the compute between a spatial step's exchanges)
+SYNC_CONV_CHANNELS = 16
+SYNC_CONV_DEPTHS = (2, 4, 8, 16, 32)
+SYNC_CONVS = 8
+# On more worker threads than cores a worker runs in turns with another: a call shorter than the scheduler's
+# turn (a few ms) often runs whole in one turn, so calls are timed in runs of at least this long
+SHARED_CORE_SECONDS = 0.03
 
 
 @dataclass(frozen=True)
@@ -298,22 +311,47 @@ def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
 
 
 def _interleaved_times(fns, repeats: int, warmup: int = 2) -> list[list[float]]:
-    """Seconds of each ``fn()`` per repeat; each call starts on all ranks together (a barrier, not timed)
+    """Seconds of each ``fn()`` per repeat; each repeat starts on all ranks together (a barrier, not timed)
     with the caches cold (``FLUSH_BYTES`` written first, not timed): in a training step a layer's weights
-    and most of its data come from memory, not from the caches its last call left warm."""
+    and most of its data come from memory, not from the caches its last call left warm. Where the workers'
+    threads outnumber the cores, a repeat times back-to-back calls for at least ``SHARED_CORE_SECONDS`` (the
+    mean of a call over the workers' turns on the cores, what a training step sees) instead of one call.
+    A worker done with its timed calls keeps calling ``fn`` until all are (``_keep_busy``)."""
+    calls = []
     for fn in fns:
         for _ in range(warmup):
+            start = time.perf_counter()
             fn()
+        calls.append(max(1, math.ceil(SHARED_CORE_SECONDS / (time.perf_counter() - start))) if _shares_cores() else 1)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8)
     times = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, samples in zip(fns, times):
+        for fn, inner, samples in zip(fns, calls, times):
             flush.fill_(1)
             dist.barrier()
             start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - start) / inner)
+            _keep_busy(fn)
     return times
+
+
+def _keep_busy(fn) -> None:
+    """Call ``fn`` (untimed) until every worker has finished its timed calls: a worker that stopped early
+    would leave the others more of the cores and of the memory bandwidth than a training step does, where
+    all work at once (on 4 workers sharing 2 cores a conv timed without this measured 10-25% fast)."""
+    if dist.get_world_size() == 1:
+        return
+    done = dist.barrier(async_op=True)
+    while not done.is_completed():
+        fn()
+    done.wait()
+
+
+def _shares_cores() -> bool:
+    """Whether this machine's workers, with all their threads, outnumber its cores."""
+    return dist.get_world_size() * torch.get_num_threads() > len(os.sched_getaffinity(0))
 
 
 def _conv_step(dtype: torch.dtype):
@@ -341,33 +379,43 @@ def _measure_comm(settings: Settings) -> dict:
 
 
 def _sync_wait(settings: Settings) -> float:
-    """Seconds an exchange waits beyond its own time when the ranks come to it from computing: every rank
-    runs a conv, then sends a small message to the next rank and receives one from the one before; the
-    mean time of that exchange over repeats and ranks, less the mean of the same exchange without the conv
-    first (the ranks arrive apart: scheduling, other processes on the cores)."""
+    """Seconds a step loses per exchange that follows compute, beyond the exchange's own time. For each depth
+    of ``SYNC_CONV_DEPTHS`` every rank runs ``SYNC_CONVS`` convs on slabs of that depth, once with a small
+    exchange after each conv (send to the next rank, receive from the one before) and once without,
+    interleaved; the slowest rank's time of each, median over repeats; their difference per exchange, less
+    the exchange's time when the ranks are in step. The loss is the median over the depths. It is mostly
+    not the compute's spread but the wake-up of a rank's communication thread on cores its peers keep busy
+    (about a millisecond on 2 workers whether a conv takes 0.3 or 10 ms; on 4 workers sharing 2 cores, a
+    turn of the scheduler), and both ranks lose it: a step's loss, not one rank's wait."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    x = torch.randn(SYNC_CONV_INPUT)
-    w = torch.randn(SYNC_CONV_INPUT[1], SYNC_CONV_INPUT[1], 3, 3, 3) / (SYNC_CONV_INPUT[1] * 27) ** 0.5
+    channels = SYNC_CONV_CHANNELS
+    w = torch.randn(channels, channels, 3, 3, 3) / (channels * 27) ** 0.5
     send, recv = torch.zeros(SMALL_BYTES // 4), torch.empty(SMALL_BYTES // 4)
 
-    def exchange() -> float:
-        start = time.perf_counter()
+    def exchange() -> None:
         for request in (dist.isend(send, (rank + 1) % n), dist.irecv(recv, (rank - 1) % n)):
             request.wait()
-        return time.perf_counter() - start
 
-    means = []
-    for compute in (False, True):
+    def sequence(slabs: list[torch.Tensor], with_exchanges: bool) -> float:
         dist.barrier()
-        times = []
-        for _ in range(settings.repeats * 3):
-            if compute:
-                F.conv3d(x, w, padding=1)
-            times.append(exchange())
-        means.append(statistics.mean(times))
-    total = torch.tensor([means[1] - means[0]], dtype=torch.float64)
-    dist.all_reduce(total)
-    return max(0.0, total.item() / n)
+        start = time.perf_counter()
+        for x in slabs:
+            F.conv3d(x, w, padding=1)
+            if with_exchanges:
+                exchange()
+        return _max_over_ranks(time.perf_counter() - start)
+
+    in_step = _max_over_ranks(_median_time(exchange, settings.repeats, inner=settings.max_inner))
+    losses = []
+    for depth in SYNC_CONV_DEPTHS:
+        slabs = [torch.randn(2, channels, depth, 32, 32) for _ in range(SYNC_CONVS)]
+        sequence(slabs, True)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(settings.repeats * 2):
+            for with_exchanges in (False, True):
+                times[with_exchanges].append(sequence(slabs, with_exchanges))
+        losses.append((statistics.median(times[True]) - statistics.median(times[False])) / SYNC_CONVS - in_step)
+    return max(0.0, statistics.median(losses))
 
 
 def _inner(settings: Settings, nbytes: int) -> int:
@@ -566,7 +614,7 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
            f"{r.backward / 1e9:.1f}", "GB/s") for r in spec.op_rates),
         ("point-to-point latency", f"{link.latency * 1e6:.1f}", "µs"),
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
-        ("wait of an exchange after compute (sync_wait)", f"{link.sync_wait * 1e6:.1f}", "µs"),
+        ("step time lost per exchange after compute (sync_wait)", f"{link.sync_wait * 1e6:.1f}", "µs"),
         *_collective_summary(link, cal.collective_ranks),
         ("device memory (MemTotal / N)", f"{spec.device_memory / 2**30:.2f}", "GiB"),
         ("reserved memory (a training worker before its model)", f"{spec.reserved_memory / 2**30:.3f}", "GiB"),

@@ -221,7 +221,7 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     waits = [g.link.sync_wait for g, kinds in ((ctx.spatial_group, ("halo", "spatial")), (ctx.tp_group, ("tp",)))
              if any(comm.get(k) for k in kinds)]
     if any(waits):
-        comm["sync"] = 2 * max(waits)  # the ranks meet once in forward, once in backward (cost.py)
+        comm["sync"] = _meetings(layer, first) * max(waits)
     saved = (layer.saved_bytes * scale * fraction + _runtime_copies(layer, ctx, halo_per_sample) * ctx.micro_batch) \
         / split
     out_bytes = layer.out_bytes * scale * (fraction if layer.kind not in ("flatten", "global_pool") else 1.0)
@@ -229,6 +229,14 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     in_bytes = _in_bytes(layer) * scale * _in_fraction(layer, ctx)
     return Option(name, lin, lout, forward + backward + sum(comm.values()), forward, comm, params, saved,
                   workspace, out_bytes, in_bytes)
+
+
+def _meetings(layer: Layer, first: bool) -> int:
+    """Times a communicating layer's ranks meet after computing apart in one step (each costs ``sync_wait``,
+    cost.py): once per pass; a spatially split normalisation twice per pass (its sums, then the sums of
+    squares about the mean); a first layer, whose input needs no gradient, not in backward."""
+    per_pass = 2 if layer.kind in ("group_norm", "batch_norm") and layer.spatial_in else 1
+    return per_pass * (1 if first else 2)
 
 
 def _spatial_runtime_times(layer: Layer, ctx: MeshContext, forward: float, backward: float, act_bytes: float,
