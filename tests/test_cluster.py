@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from hybridpar.calibrate import fit_p2p, fit_ring
+from hybridpar.calibrate import LARGE_FACTOR, Settings, _large_row, fit_p2p, fit_ring
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
 from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ClusterSpec, ConvRate, GiB, Link, OpRate, preset
@@ -261,6 +261,20 @@ def test_fits_recover_the_model():
     assert step_latency == pytest.approx(70e-6, rel=1e-3) and bus_bandwidth == pytest.approx(0.5e9, rel=1e-6)
     with pytest.raises(HybridparError, match="point-to-point times did not grow with the message size"):
         fit_p2p(sizes, tuple(1e-3 for _ in sizes))
+
+
+def test_the_large_positions_row_is_measured_for_thin_pairs_and_scaled_from_the_nearest_for_wide_ones():
+    settings = Settings(quick=True)  # in (1, 16) x out (4, 64) x positions (2**11, 2**14)
+    largest = settings.largest_positions
+    assert settings.large_conv_pairs == ((1, 4), (16, 4))  # at most LARGE_CHANNELS in and out
+    rates = {point: (float(point[0] * point[1]), 2.0, 3.0) for point in settings.conv_grid}
+    measured = {(1, 4): (2.0, 1.0, 1.5), (16, 4): (32.0, 2.0, 6.0)}
+    rows = {row[:3]: row[3:] for row in _large_row(settings, rates, measured)}
+    assert set(rows) == {(cin, cout, LARGE_FACTOR * largest) for cin in (1, 16) for cout in (4, 64)}
+    assert rows[1, 4, LARGE_FACTOR * largest] == (2.0, 1.0, 1.5)  # as measured
+    # 1 -> 64 from 1 -> 4 (half the forward rate, half the input gradient's, the weight gradient's alike)
+    assert rows[1, 64, LARGE_FACTOR * largest] == pytest.approx((64 * 0.5, 2.0 * 0.5, 3.0 * 0.5))
+    assert rows[16, 64, LARGE_FACTOR * largest] == pytest.approx((1024 * 0.5, 2.0 * 1.0, 3.0 * 2.0))  # from 16 -> 4
 
 
 @pytest.mark.timeout(120)

@@ -208,6 +208,15 @@ def test_layer_times_use_the_measured_rates():
     tiny = cost.layer_times("conv", "Conv3d", 1.0, moved, spec, "float32", has_weight=True, input_grad=True,
                             channels=(16, 16), positions=2**15)
     assert tiny == pytest.approx((moved / 1e9, 2 * moved / 1e9))  # a 1x1 conv: its bytes set the time
+    # a 3x3x3 conv on rates measured on its kernel: they include its memory traffic (the op's rows come from a
+    # 1x1 conv); the same conv where no rates were measured is floored by the memory bandwidth
+    wide = cost.layer_times("conv", "Conv3d", 1.0, moved, spec, "float32", has_weight=True, input_grad=True,
+                            channels=(16, 16), positions=2**15, kernel=(3, 3, 3))
+    assert wide == pytest.approx((1.0 / 4e9, 1.0 / 2e9 + 1.0 / 1e9))
+    bare = dataclasses.replace(spec, conv_rates=())
+    assert not bare.has_conv_rates("float32") and spec.has_conv_rates("float32")
+    assert cost.layer_times("conv", "Conv3d", 1.0, moved, bare, "float32", has_weight=True, input_grad=True,
+                            kernel=(3, 3, 3)) == pytest.approx(tiny)
     # a memory-bound layer at its op's rates; an op without rows at the memory bandwidth
     pool = cost.layer_times("pool", "MaxPool3d", 0, moved, spec, "float32", has_weight=False, input_grad=True)
     assert pool == pytest.approx((moved / 1e9, moved / 4e9))

@@ -11,7 +11,9 @@ oversubscription and shared memory bandwidth are measured, not assumed. Per work
   forward, forward + backward, forward + backward of the weight alone -> ``conv_rates`` rows, FLOP/s of the
   forward, the input gradient and the weight gradient (on CPUs a thin conv runs at a tenth of a wide one's
   rate, a weight gradient from few channels slower still; the planner interpolates in log2 of all three);
-  one more positions row, ``LARGE_FACTOR`` times the largest, scaled from a 16 -> 16 conv measured at both;
+  one more positions row, ``LARGE_FACTOR`` times the largest, measured for the pairs of at most
+  ``LARGE_CHANNELS`` channels in and out (the thin layers of large volumes) and scaled for the others from
+  the nearest measured pair;
 - the same passes of a batch-1 conv on PyTorch's slow CPU kernel (what it runs one sample of small ``N·C·D·H``
   on; called by name, ``aten.slow_conv3d``, to reach it everywhere) over ``SLOW_CONV_GRID`` -> ``slow_conv_rates``:
   its rate against the fast kernel's ranges from a tenth (thin channels, large volumes) to about one;
@@ -47,6 +49,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,24 +61,26 @@ import torch.nn.functional as F
 from hybridpar.errors import HybridparError
 from hybridpar.launch import init_distributed, launch_local, shutdown_distributed
 from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
+from hybridpar.plan.cost import MEASURED_KERNEL
 
 DTYPES = ("float32", "float64")
 MATMUL_EDGE = 1024
 CONV_INPUT = (2, 16, 32, 32, 32)  # (N, C, D, H, W): big enough for the mkldnn path in float32
-CONV_KERNEL = 3
+CONV_KERNEL = MEASURED_KERNEL  # the planner reads the conv rates as those of this kernel width
 MEMORY_BYTES = 64 * 2**20  # per tensor of the elementwise add
 FLUSH_BYTES = 64 * 2**20  # written before each timed call: more than the last-level caches of most CPUs
 # conv_rates: in channels x out channels x output positions (batch 2: PyTorch's fast CPU kernel)
-CONV_GRID = ((1, 4, 16, 64), (4, 16, 64), (2**11, 2**14, 2**17))
+CONV_GRID = ((1, 4, 8, 16, 64), (4, 8, 16, 64), (2**11, 2**14, 2**17))
 CONV_GRID_QUICK = ((1, 16), (4, 64), (2**11, 2**14))
-# Past the grid's largest positions (where the caches give out) a conv slows down about alike for all channel
-# counts: the row at LARGE_FACTOR x the largest positions is the largest row scaled by what that costs a
-# 16 -> 16 conv (measuring every channel pair there would take minutes).
-REFERENCE_CONV = (16, 16)
+# One more positions row, LARGE_FACTOR x the grid's largest (where the caches give out): measured for the channel
+# pairs up to LARGE_CHANNELS in and out (a large volume's layers are thin, and these take seconds), the wider
+# pairs' largest rows scaled by what the step costs the nearest measured pair (measured, they would take minutes;
+# the step costs 16 -> 16 a third of its rate and 4 -> 16 nothing, so one reference pair for all misprices)
 LARGE_FACTOR = 8
+LARGE_CHANNELS = 16
 # slow_conv_rates: the same axes for a batch of 1 on the slow kernel (its domain, N*C*D*H <= FAST_CONV_MIN, holds
 # smaller volumes than the fast grid's)
-SLOW_CONV_GRID = ((1, 4, 16, 64), (4, 16, 64), (2**10, 2**13, 2**16))
+SLOW_CONV_GRID = ((1, 4, 8, 16, 64), (4, 8, 16, 64), (2**10, 2**13, 2**16))
 SLOW_CONV_GRID_QUICK = ((1, 16), (4, 64), (2**10, 2**13))
 
 
@@ -158,6 +163,16 @@ class Settings:
         return tuple(itertools.product(*grid))
 
     @property
+    def largest_positions(self) -> int:
+        return max(p[2] for p in self.conv_grid)
+
+    @property
+    def large_conv_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The (in, out) channel pairs measured at ``LARGE_FACTOR`` times the largest positions."""
+        return tuple(sorted({(cin, cout) for cin, cout, _ in self.conv_grid
+                             if cin <= LARGE_CHANNELS and cout <= LARGE_CHANNELS}))
+
+    @property
     def slow_conv_grid(self) -> tuple[tuple[int, int, int], ...]:
         return tuple(itertools.product(*(SLOW_CONV_GRID_QUICK if self.quick else SLOW_CONV_GRID)))
 
@@ -214,44 +229,68 @@ def worker(settings: Settings, phases: tuple[str, ...]) -> dict | None:
 
 
 def _measure_compute(settings: Settings) -> dict:
-    """Throughputs of matmul, conv3d (one wide conv, the ``conv_rates`` grid, the slow batch-1 kernel), an
-    elementwise add and the memory-bound ops of ``OP_BENCHMARKS``, their repeats interleaved so that a slow
-    moment of the machine slows all alike. Each backward pass is timed alone, on a forward kept for it."""
+    """Throughputs of matmul, conv3d (one wide conv, the ``conv_rates`` grid and its large row, the slow
+    batch-1 kernel), an elementwise add and the memory-bound ops of ``OP_BENCHMARKS``. Each group is
+    measured with its repeats interleaved, so that a slow moment of the machine slows a group's points
+    alike, and its tensors are freed before the next group's are made (all at once, 4 workers outgrew this
+    machine's 24 GiB). Each backward pass is timed alone, on a forward kept for it."""
     dtype = getattr(torch, settings.dtype)
     torch.manual_seed(dist.get_rank())
+    matmul, conv, memory = _rates(_basic_steps(dtype), settings)
+    result = {"matmul_flops": matmul, "conv_flops": conv, "memory_bandwidth": memory}
+    rates = dict(zip(settings.conv_grid, _conv_rates(settings.conv_grid, dtype, settings)))
+    large_points = [(cin, cout, LARGE_FACTOR * settings.largest_positions) for cin, cout in settings.large_conv_pairs]
+    large = dict(zip(settings.large_conv_pairs, _conv_rates(large_points, dtype, settings)))
+    result["conv_rates"] = [(*point, *r) for point, r in rates.items()] + _large_row(settings, rates, large)
+    slow = _conv_rates(settings.slow_conv_grid, dtype, settings, batch=1)
+    result["slow_conv_rates"] = [(*point, *r) for point, r in zip(settings.slow_conv_grid, slow)]
+    ops = [_op_steps(make, (settings.quick, large), dtype) for make in OP_BENCHMARKS for large in (False, True)]
+    op_rates = iter(_rates([step for _, steps in ops for step in steps], settings))
+    result["op_rates"] = [(*op, next(op_rates), next(op_rates)) for op, _ in ops]
+    return result
+
+
+def _rates(steps: list[tuple[float, Callable]], settings: Settings) -> list[float]:
+    """``work / seconds`` of each ``(work, fn)`` (FLOPs or bytes): the median over repeats
+    (``_interleaved_times``), then the median over ranks."""
+    times = _interleaved_times([fn for _, fn in steps], settings.repeats)
+    return _median_over_ranks([work / statistics.median(t) for (work, _), t in zip(steps, times)])
+
+
+def _basic_steps(dtype: torch.dtype) -> list[tuple[float, Callable]]:
+    """A matmul (FLOPs), one wide conv forward and backward (FLOPs) and an add into a fresh tensor (bytes)."""
     n = MATMUL_EDGE
     a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-    conv_flops, conv_step = _conv_step(dtype)
     x, y = (torch.ones(MEMORY_BYTES // a.element_size(), dtype=dtype) for _ in range(2))
-    fns = [lambda: torch.mm(a, b, out=c), conv_step, lambda: torch.add(x, y)]
-    grid = [_conv_steps(*point, dtype) for point in settings.conv_grid]
-    largest = max(p[2] for p in settings.conv_grid)
-    grid += [_conv_steps(*REFERENCE_CONV, positions, dtype) for positions in (largest, LARGE_FACTOR * largest)]
-    grid += [_conv_steps(*point, dtype, batch=1) for point in settings.slow_conv_grid]
-    ops = [_op_steps(make, (settings.quick, large), dtype) for make in OP_BENCHMARKS for large in (False, True)]
-    for _, steps in grid:
-        fns += steps
-    for _, _, steps in ops:
-        fns += steps
-    times = iter([statistics.median(t) for t in _interleaved_times(fns, settings.repeats)])
-    values = [2 * n**3 / next(times), conv_flops / next(times), 3 * MEMORY_BYTES / next(times)]
-    for flops, _ in grid:
-        values += [flops / next(times), flops / next(times), flops / next(times)]  # forward, input, weight gradient
-    for _, op_bytes, _ in ops:
-        values += [op_bytes / next(times), op_bytes / next(times)]
-    values = iter(_median_over_ranks(values))
-    result = {"matmul_flops": next(values), "conv_flops": next(values), "memory_bandwidth": next(values)}
-    rates = {point: (next(values), next(values), next(values)) for point in settings.conv_grid}
-    small, large = (next(values), next(values), next(values)), (next(values), next(values), next(values))
-    for cin, cout, positions in settings.conv_grid:  # the grid's largest positions, times LARGE_FACTOR
-        if positions == largest:
-            rates[cin, cout, LARGE_FACTOR * largest] = tuple(r * b / a for r, a, b in zip(rates[cin, cout, positions],
-                                                                                         small, large))
-    result["conv_rates"] = [(*point, *r) for point, r in rates.items()]
-    result["slow_conv_rates"] = [(*point, next(values), next(values), next(values))
-                                 for point in settings.slow_conv_grid]
-    result["op_rates"] = [(*op, next(values), next(values)) for op, _, _ in ops]
-    return result
+    return [(2 * n**3, lambda: torch.mm(a, b, out=c)), _conv_step(dtype), (3 * MEMORY_BYTES, lambda: torch.add(x, y))]
+
+
+def _conv_rates(points, dtype: torch.dtype, settings: Settings, batch: int = 2) -> list[tuple[float, float, float]]:
+    """FLOP/s of the forward, input gradient and weight gradient of a conv at each (in, out, positions)."""
+    steps = []
+    for point in points:
+        flops, fns = _conv_steps(*point, dtype, batch=batch)
+        steps += [(flops, fn) for fn in fns]
+    rates = _rates(steps, settings)
+    return [tuple(rates[i:i + 3]) for i in range(0, len(rates), 3)]
+
+
+def _large_row(settings: Settings, rates: dict, measured: dict) -> list[tuple]:
+    """The ``conv_rates`` rows at ``LARGE_FACTOR`` times the grid's largest positions: ``measured`` (in, out) pairs
+    as measured, every other pair its largest row scaled by what the step costs the measured pair nearest in log2
+    of both channel counts."""
+    largest = settings.largest_positions
+    rows = []
+    for cin, cout, positions in settings.conv_grid:
+        if positions != largest:
+            continue
+        if (cin, cout) in measured:
+            rows.append((cin, cout, LARGE_FACTOR * largest, *measured[cin, cout]))
+            continue
+        near = min(measured, key=lambda p: abs(math.log2(p[0] / cin)) + abs(math.log2(p[1] / cout)))
+        ratios = (b / a for a, b in zip(rates[(*near, largest)], measured[near]))
+        rows.append((cin, cout, LARGE_FACTOR * largest, *(r * q for r, q in zip(rates[cin, cout, largest], ratios))))
+    return rows
 
 
 def _conv_steps(in_channels: int, out_channels: int, positions: int, dtype: torch.dtype, batch: int = 2):
@@ -261,14 +300,15 @@ def _conv_steps(in_channels: int, out_channels: int, positions: int, dtype: torc
     gradient (each backward alone, on a forward kept for it)."""
     dims = _conv_dims(positions // batch)
     x = torch.randn(batch, in_channels, *dims, dtype=dtype)
-    w = torch.randn(out_channels, in_channels, 3, 3, 3, dtype=dtype) / (in_channels * 27) ** 0.5
+    k = CONV_KERNEL
+    w = torch.randn(out_channels, in_channels, k, k, k, dtype=dtype) / (in_channels * k**3) ** 0.5
     grad_out = torch.randn(batch, out_channels, *dims, dtype=dtype)
-    flops = 2 * batch * math.prod(dims) * out_channels * in_channels * 27
+    flops = 2 * batch * math.prod(dims) * out_channels * in_channels * k**3
 
     def conv(x, w):
         if batch == 1:  # what F.conv3d runs for one sample of small N*C*D*H
-            return torch.ops.aten.slow_conv3d(x, w, [3, 3, 3], None, [1, 1, 1], [1, 1, 1])
-        return F.conv3d(x, w, padding=1)
+            return torch.ops.aten.slow_conv3d(x, w, [k] * 3, None, [1] * 3, [k // 2] * 3)
+        return F.conv3d(x, w, padding=k // 2)
 
     return flops, [lambda: conv(x, w), *_backward_steps(conv, (x, w), grad_out, separate=True)]
 
@@ -291,8 +331,8 @@ def _conv_dims(volume: int) -> tuple[int, int, int]:
 
 def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
     """The op of the (last) layer ``make(key)`` builds and the bytes its forward reads and writes, both as
-    the planner's model analysis sees them, and two timed functions: its forward; its backward (the
-    gradients of the input and of any weight, on a forward kept for it)."""
+    the planner's model analysis sees them, and two timed functions, each with those bytes: its forward; its
+    backward (the gradients of the input and of any weight, on a forward kept for it)."""
     from hybridpar.plan.graph import analyse
 
     module, shape = make(key)
@@ -307,7 +347,7 @@ def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
 
     grad_out = torch.randn_like(module(x))
     steps = [lambda: module(x), *_backward_steps(call, [x, *params], grad_out, separate=False)]
-    return (layer.op, int(layer.bytes_moved)), layer.bytes_moved, steps
+    return (layer.op, int(layer.bytes_moved)), [(layer.bytes_moved, step) for step in steps]
 
 
 def _interleaved_times(fns, repeats: int, warmup: int = 2) -> list[list[float]]:

@@ -312,6 +312,10 @@ class ClusterSpec:
             return rate, rate, rate
         return _interpolate(self._conv_tables[dtype], in_channels, out_channels, positions)
 
+    def has_conv_rates(self, dtype: str) -> bool:
+        """Whether ``conv_rates`` of ``dtype`` were measured (else convs run at ``efficiency["conv"]`` of peak)."""
+        return dtype in self._conv_tables
+
     def op_rate(self, op: str, num_bytes: float) -> tuple[float, float]:
         """Bytes/s of the forward and the backward of a layer ``op`` moving ``num_bytes``: its measured
         ``op_rates`` interpolated in log2 of the bytes (log rates, clamped at the ends), else

@@ -29,6 +29,7 @@ CONV_KINDS = frozenset({"conv", "conv_transpose"})
 MATMUL_KINDS = frozenset({"linear", "attention", "embedding"})
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # state tensors per parameter
 OPTIMIZER_TRAFFIC = {"adam": 7, "adamw": 7, "sgd": 5}  # tensors read + written per step: p, g, states in; p, states out
+MEASURED_KERNEL = 3  # the kernel width of calibrate's conv rates
 BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket: the all-reduce left after backward ends
 
 
@@ -59,12 +60,15 @@ def compute_time(flops: float, bytes_moved: float, kind: str, cluster: ClusterSp
 
 def layer_times(kind: str, op: str, flops: float, bytes_moved: float, cluster: ClusterSpec, dtype: str, *,
                 has_weight: bool, input_grad: bool, channels: tuple[int, int] = (0, 0), positions: float = 0,
-                work: int = 0) -> tuple[float, float]:
+                work: int = 0, kernel: tuple[int, ...] = ()) -> tuple[float, float]:
     """Forward and backward time of one layer on one device.
 
     - Convolutions: FLOPs at the cluster's rates for ``channels`` (in, out) and ``positions`` (output
       ``N·D·H·W``) -- forward, input gradient (if the input needs one), weight gradient -- each at least
-      its bytes at the op's memory rate; ``work`` (N*C*D*H of the input) picks PyTorch's slow CPU kernel.
+      its bytes at the op's memory rate, except where the rates were measured on the conv's own kind of
+      kernel (``measured_kernel``: they include its memory traffic, and the op's rows, from a 1x1 conv,
+      would floor a 3x3x3 conv well above its time); ``work`` (N*C*D*H of the input) picks PyTorch's slow
+      CPU kernel.
     - Matmul kinds: the roofline; the backward computes the input and the weight gradient, about a
       forward each (attention: the gradients of Q, K and V, about twice the forward).
     - Memory-bound layers: their bytes at the op's measured rate (``ClusterSpec.op_rate``), forward and
@@ -78,10 +82,19 @@ def layer_times(kind: str, op: str, flops: float, bytes_moved: float, cluster: C
     memory, backward_memory = bytes_moved / forward_bw, bytes_moved / backward_bw
     if kind in CONV_KINDS:
         forward_rate, input_rate, weight_rate = cluster.conv_flops(dtype, *channels, positions, work)
+        if measured_kernel(kind, kernel, cluster, dtype):
+            memory = backward_memory = 0.0
         backward = (max(flops / input_rate, backward_memory) if input_grad else 0.0) + \
             (max(flops / weight_rate, backward_memory) if has_weight else 0.0)
         return max(flops / forward_rate, memory), backward
     return memory, backward_memory if input_grad or has_weight else 0.0
+
+
+def measured_kernel(kind: str, kernel: tuple[int, ...], cluster: ClusterSpec, dtype: str) -> bool:
+    """Whether a conv's rates were measured on its kind of kernel: calibrate's ``conv_rates`` (and
+    ``slow_conv_rates``) of ``dtype`` time convs ``MEASURED_KERNEL`` wide in every dim."""
+    return kind == "conv" and bool(kernel) and all(k == MEASURED_KERNEL for k in kernel) \
+        and cluster.has_conv_rates(dtype)
 
 
 def send_time(num_bytes: float, link: Link) -> float:

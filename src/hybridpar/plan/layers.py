@@ -208,7 +208,8 @@ def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scal
     forward, backward = cost.layer_times(layer.kind, layer.op, layer.flops * scale * fraction / split,
                                          act_bytes + params, ctx.cluster, ctx.dtype, has_weight=layer.has_weight,
                                          input_grad=not first, channels=channels, positions=positions,
-                                         work=_conv_work(layer, ctx, channels[0]))
+                                         work=_conv_work(layer, ctx, channels[0]),
+                                         kernel=tuple(w.kernel for w in layer.windows))
     forward, backward = _spatial_runtime_times(layer, ctx, forward, backward, act_bytes, halo_per_sample, split)
     comm = {}
     if any(halo_per_sample):
