@@ -68,6 +68,7 @@ MATMUL_EDGE = 1024
 CONV_INPUT = (2, 16, 32, 32, 32)  # (N, C, D, H, W): big enough for the mkldnn path in float32
 CONV_KERNEL = MEASURED_KERNEL  # the planner reads the conv rates as those of this kernel width
 MEMORY_BYTES = 64 * 2**20  # per tensor of the elementwise add
+GLIBC_MMAP_CEILING = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (_allocate_as_in_training)
 FLUSH_BYTES = 64 * 2**20  # written before each timed call: more than the last-level caches of most CPUs
 # conv_rates: in channels x out channels x output positions (batch 2: PyTorch's fast CPU kernel)
 CONV_GRID = ((1, 4, 8, 16, 64), (4, 8, 16, 64), (2**11, 2**14, 2**17))
@@ -236,6 +237,7 @@ def _measure_compute(settings: Settings) -> dict:
     machine's 24 GiB). Each backward pass is timed alone, on a forward kept for it."""
     dtype = getattr(torch, settings.dtype)
     torch.manual_seed(dist.get_rank())
+    _allocate_as_in_training()
     matmul, conv, memory = _rates(_basic_steps(dtype), settings)
     result = {"matmul_flops": matmul, "conv_flops": conv, "memory_bandwidth": memory}
     rates = dict(zip(settings.conv_grid, _conv_rates(settings.conv_grid, dtype, settings)))
@@ -244,10 +246,21 @@ def _measure_compute(settings: Settings) -> dict:
     result["conv_rates"] = [(*point, *r) for point, r in rates.items()] + _large_row(settings, rates, large)
     slow = _conv_rates(settings.slow_conv_grid, dtype, settings, batch=1)
     result["slow_conv_rates"] = [(*point, *r) for point, r in zip(settings.slow_conv_grid, slow)]
-    ops = [_op_steps(make, (settings.quick, large), dtype) for make in OP_BENCHMARKS for large in (False, True)]
+    ops = [_op_steps(make, (settings.quick, big), dtype) for make in OP_BENCHMARKS for big in (False, True)]
     op_rates = iter(_rates([step for _, steps in ops for step in steps], settings))
     result["op_rates"] = [(*op, next(op_rates), next(op_rates)) for op, _ in ops]
     return result
+
+
+def _allocate_as_in_training() -> None:
+    """Put glibc's allocator where a training worker's is after its first step. glibc maps every block above
+    its threshold afresh (each page then faults on first touch) and raises the threshold to a freed mapped
+    block's size, up to ``GLIBC_MMAP_CEILING``: after one step of freed activations, tensors up to the ceiling
+    come back warm from the heap, larger ones are mapped and faulted in at every step. A worker that has not
+    freed a large block yet maps each fresh output instead: a 16 -> 16 conv over 2^17 positions measured
+    180-250 GFLOP/s so, 350 with the threshold raised, 300 inside a training step (page faults are system
+    time, and dear on a virtual machine). Freeing one mapped block just under the ceiling raises it."""
+    torch.empty(GLIBC_MMAP_CEILING - 2**20, dtype=torch.uint8).fill_(0)
 
 
 def _rates(steps: list[tuple[float, Callable]], settings: Settings) -> list[float]:
