@@ -32,7 +32,7 @@ predicted compute and exposed communication) and the memory (the resident set be
 building the parallel model adds, what the warm-up steps leave behind and the step's own peak, against
 the predicted reserve, model state, activations and workspace), so that a miss points at its term.
 
-    python benchmarks/cost_model_validation.py --recalibrate --markdown out.md --json out.json   # ~10 min, 2 cores
+    python benchmarks/cost_model_validation.py --recalibrate --markdown out.md --json out.json   # ~25 min, 2 cores
     python benchmarks/cost_model_validation.py --quick     # CosmoFlow 32^3 on N = 1, 2 (quick calibration), ~1 min
 
 Calibrations are kept in ``--cluster-dir`` (``cluster-N.toml``) and reused by later runs; pass
