@@ -6,6 +6,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import platform
+import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -275,6 +279,29 @@ def test_the_large_positions_row_is_measured_for_thin_pairs_and_scaled_from_the_
     # 1 -> 64 from 1 -> 4 (half the forward rate, half the input gradient's, the weight gradient's alike)
     assert rows[1, 64, LARGE_FACTOR * largest] == pytest.approx((64 * 0.5, 2.0 * 0.5, 3.0 * 0.5))
     assert rows[16, 64, LARGE_FACTOR * largest] == pytest.approx((1024 * 0.5, 2.0 * 1.0, 3.0 * 2.0))  # from 16 -> 4
+
+
+_FAULTS_OF_A_FRESH_TENSOR = """
+import resource, sys, torch
+from hybridpar.calibrate import _allocate_as_in_training
+if sys.argv[1] == "raised":
+    _allocate_as_in_training()
+torch.empty(2**24, dtype=torch.uint8).fill_(1)  # 16 MiB allocated, touched and freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.empty(2**24, dtype=torch.uint8).fill_(1)  # again: the same pages from the heap, or fresh ones
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mmap threshold")
+def test_calibrate_measures_with_the_allocator_of_a_training_worker():
+    # a fresh process maps a 16 MiB tensor afresh each time (4,096 pages, each faulting on first touch); once
+    # a large mapped block was freed, as a training step frees its activations, it comes back from the heap
+    faults = {state: int(subprocess.run([sys.executable, "-c", _FAULTS_OF_A_FRESH_TENSOR, state], check=True,
+                                        capture_output=True, text=True).stdout)
+              for state in ("fresh", "raised")}
+    pages = 2**24 // resource.getpagesize()
+    assert faults["fresh"] > pages // 2 and faults["raised"] < pages // 16, faults
 
 
 @pytest.mark.timeout(120)
