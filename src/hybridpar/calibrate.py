@@ -220,6 +220,7 @@ def worker(settings: Settings, phases: tuple[str, ...]) -> dict | None:
     rank = dist.get_rank()
     try:
         result = {"reserved_memory": _max_over_ranks(_runtime_rss_bytes())}
+        _allocate_as_in_training()  # for every phase: sync_wait's convs allocate too
         if "compute" in phases:
             result |= _measure_compute(settings)
         if "comm" in phases:
@@ -237,7 +238,6 @@ def _measure_compute(settings: Settings) -> dict:
     machine's 24 GiB). Each backward pass is timed alone, on a forward kept for it."""
     dtype = getattr(torch, settings.dtype)
     torch.manual_seed(dist.get_rank())
-    _allocate_as_in_training()
     matmul, conv, memory = _rates(_basic_steps(dtype), settings)
     result = {"matmul_flops": matmul, "conv_flops": conv, "memory_bandwidth": memory}
     rates = dict(zip(settings.conv_grid, _conv_rates(settings.conv_grid, dtype, settings)))
