@@ -259,8 +259,17 @@ def _allocate_as_in_training() -> None:
     come back warm from the heap, larger ones are mapped and faulted in at every step. A worker that has not
     freed a large block yet maps each fresh output instead: a 16 -> 16 conv over 2^17 positions measured
     180-250 GFLOP/s so, 350 with the threshold raised, 300 inside a training step (page faults are system
-    time, and dear on a virtual machine). Freeing one mapped block just under the ceiling raises it."""
+    time, and dear on a virtual machine).
+
+    Freeing one mapped block just under the ceiling raises the threshold (and the heap's trim threshold to
+    twice it). Raised alone, it left every other fresh process faulting anyway: the heap had not grown yet,
+    so an output came from new pages at its top, and once a small allocation landed above a freed output, the
+    next output of that size (an aligned request, a few bytes larger than the freed chunk) grew the heap
+    again. So the heap is then grown by two blocks under the threshold, touched and freed: it keeps their
+    pages (below the trim threshold), and outputs come from them as in a step that has run once."""
     torch.empty(GLIBC_MMAP_CEILING - 2**20, dtype=torch.uint8).fill_(0)
+    blocks = [torch.empty(GLIBC_MMAP_CEILING - 3 * 2**20, dtype=torch.uint8).fill_(0) for _ in range(2)]
+    del blocks
 
 
 def _rates(steps: list[tuple[float, Callable]], settings: Settings) -> list[float]:
