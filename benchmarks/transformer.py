@@ -80,7 +80,7 @@ def analysed():
 def make_plan(fields: dict, model, graph) -> Plan:
     from hybridpar.parallel.tensor import pair_strategies
 
-    layers = tuple(pair_strategies(graph, tp=fields["tp"], model=model).items()) if fields.get("tp", 1) > 1 else ()
+    layers = tuple(pair_strategies(graph, tp=fields["tp"]).items()) if fields.get("tp", 1) > 1 else ()
     return Plan(global_batch=BATCH, input_shape=(BATCH, MODEL["seq_len"]), layers=layers, **fields)
 
 

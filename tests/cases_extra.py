@@ -84,6 +84,22 @@ class CatChannelsHead(nn.Module):
         return torch.cat([x, x[:, :1]], dim=1).softmax(dim=1)
 
 
+class ExactOnSlabsHead(nn.Module):
+    """Allowed: operations that compute on a slab what they compute on the whole volume, whatever their name:
+    padding of zero rows on the split dims (and of channels), a repeat along the channels only, a conversion
+    that changes nothing, and modules whose parameter has one element (PReLU, BatchNorm3d(1))."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.PReLU()
+        self.norm = nn.BatchNorm3d(1)
+
+    def forward(self, x):
+        x = F.pad(x, (0, 0, 0, 0, 0, 0, 0, 1))  # one more channel of zeros, no spatial padding
+        x = torch.as_tensor(x).repeat(1, 2, 1, 1, 1)  # (N, 6, D, H, W)
+        return self.act(x) + self.norm(x[:, :1])
+
+
 class DropoutHead(nn.Module):
     """A dense head whose dropout is functional: it would draw a different mask on every rank."""
 
@@ -289,10 +305,10 @@ def untileable_slabs(kind: str) -> str:
 
 
 def allowed_ops_match_one_process(train: bool) -> None:
-    """Controls: code the checker allows (channel cat / slice / softmax, eval-mode F.dropout) runs and
-    equals one process."""
+    """Controls: code the checker allows (channel cat / slice / softmax, eval-mode F.dropout, zero padding,
+    channel repeats, no-op conversions, one-element parameters) runs and equals one process."""
     mesh = cases.spatial_mesh(2)
-    for make_head in (CatChannelsHead, lambda: DropoutHead(2 * 8 * 4 * 4)):
+    for make_head in (CatChannelsHead, lambda: DropoutHead(2 * 8 * 4 * 4), ExactOnSlabsHead):
         torch.manual_seed(0)
         ref = Net(make_head()).double()
         ref.train(train and not isinstance(ref.head, DropoutHead))  # F.dropout is only allowed in eval

@@ -2,6 +2,7 @@
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class TinyCosmoFlow(nn.Module):
@@ -62,3 +63,24 @@ class Residual(nn.Module):
 
     def forward(self, x):
         return torch.relu(x + self.norm(self.conv(x)))
+
+
+class Attention(nn.Module):
+    """One fused q/k/v projection: its output holds q, k and v one after another (``sections``), or each head's
+    q, k and v together (``heads``, Megatron's layout, which a split by output features cuts into whole heads)."""
+
+    def __init__(self, d=16, heads=4, layout="sections"):
+        super().__init__()
+        self.heads, self.layout = heads, layout
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, T, d)
+        b, t, d = x.shape
+        if self.layout == "heads":
+            q, k, v = self.qkv(x).view(b, t, self.heads, 3, d // self.heads).permute(3, 0, 2, 1, 4).unbind(0)
+        else:
+            q, k, v = self.qkv(x).split(d, dim=2)
+            q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))

@@ -16,7 +16,7 @@ import pytest
 from hybridpar.calibrate import LARGE_FACTOR, Settings, _large_row, fit_p2p, fit_ring
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
-from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ClusterSpec, ConvRate, GiB, Link, OpRate, preset
+from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ConvRate, GiB, Link, OpRate, preset
 from hybridpar.plan.io import cluster_from_toml, cluster_to_toml, load_cluster, write_cluster
 
 A100 = PRESETS["a100-80"]

@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import harness
+from equivalence import TOL, check_step, plan_mesh, replica_slice
+from models import Attention
 from hybridpar.errors import PlanError
 from hybridpar.mesh import AXES
 from hybridpar.models.cosmoflow import cosmoflow
@@ -22,12 +24,6 @@ from hybridpar.plan import cluster_of, graph_of, search_plans
 from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
 
-# float64: the parallel run sums the same products in other orders (split matmuls, micro-batch means, all-reduces)
-TOL = dict(rtol=1e-10, atol=1e-12)
-# Adam's first step moves a parameter by lr * g / (|g| + eps), which near g = 0 amplifies a gradient's rounding
-# by up to lr / eps = 1e6: gradients that cancel to ~1e-8 (or to exactly 0, as the key biases' do) carry ~1e-17
-# of rounding, so the parameters after the step agree to ~1e-11; a wrong shard or a missed step moves them by ~lr
-STEP_TOL = dict(rtol=1e-10, atol=1e-10)
 BATCH, T, VOCAB = 8, 8, 16
 
 
@@ -48,7 +44,7 @@ def gpt_plan(**fields) -> Plan:
     layers = ()
     if tp > 1:
         model, (idx, _) = tiny_gpt(), tokens()
-        layers = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=tp, model=model).items())
+        layers = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=tp).items())
     return Plan(global_batch=BATCH, input_shape=(BATCH, T), layers=layers, dtype="float64", **fields)
 
 
@@ -68,40 +64,6 @@ def equivalence(fields: dict) -> float:
     loss = parallel.train_step(idx[mine], targets[mine])
     assert set(tokens_seen) == ({T // plan.tp} if plan.sequence_parallel else set())
     return check_step(parallel, reference, loss, lm_loss(reference(idx), targets))
-
-
-def plan_mesh(plan: Plan):
-    return harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
-
-
-def replica_slice(parallel, batch: int) -> slice:
-    per = batch // parallel.plan.dp
-    replica = parallel.mesh["dp"].get_local_rank()
-    return slice(replica * per, (replica + 1) * per)
-
-
-def check_step(parallel, reference, loss: torch.Tensor, expected: torch.Tensor) -> float:
-    """The parallel step against one process's: the loss, every gradient, the parameters after one Adam
-    step; and that the plan really split the parameters it says it splits."""
-    plan = parallel.plan
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in parallel.parameters())
-    whole = sum(p.numel() for p in reference.parameters())
-    assert local < whole if plan.tp * plan.pp > 1 or plan.sharding else local == whole  # really split
-    expected.backward()
-    mean = loss.clone()
-    dist.all_reduce(mean)
-    torch.testing.assert_close(mean / dist.get_world_size(), expected.detach(), **TOL)  # replicas' mean loss
-    grads = parallel.gather_gradients()
-    assert set(grads) == {name for name, _ in reference.named_parameters()}
-    for name, param in reference.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, **TOL, msg=f"gradient of {name}")
-    for params in (parallel.parameters(), reference.parameters()):
-        torch.optim.Adam(params, lr=1e-2).step()
-    state = parallel.full_state_dict()
-    assert set(state) == set(reference.state_dict())
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[name], value, **STEP_TOL, msg=f"{name} after one Adam step")
-    return loss.item()
 
 
 def cnn_equivalence(fields: dict) -> float:
@@ -215,12 +177,10 @@ def refusals() -> list[str]:
         (dict(tp=2, layers={"blocks.9.mlp.fc": "column"}), {}, "layer 'blocks.9.mlp.fc' is not in the model"),
         (dict(tp=4, layers=four_heads), dict(num_heads=2),
          "layer 'blocks.0.attn:scaled_dot_product_attention#0': 2 attention heads do not split into 4"),
-        (dict(tp=4, layers=four_heads), dict(head_major=False),
-         "reads query, key and value from one fused projection 'blocks.0.attn.qkv'"),
         (dict(pp=4, schedule="interleaved-1f1b", stages=("blocks.0.ln_1",) * 7), {},
-         "8 pipeline stages, but GPT has 7 top-level blocks"),
+         "8 pipeline stages, but GPT has 7 blocks"),
         (dict(pp=4, stages=("blocks.1.attn.qkv", "blocks.2.ln_1", "blocks.3.ln_1")), {},
-         "a stage cannot start at 'blocks.1.attn.qkv': stages start where a top-level block starts"),
+         "a stage cannot start at 'blocks.1.attn.qkv': stages start where a block starts"),
         (dict(pp=2, dp=2, stages=PP2, micro_batches=3), {}, "a replica's batch of 4 does not split into "
          "micro_batches=3"),
         (dict(pp=2, dp=2, stages=PP2, schedule="zero-bubble"), {}, "schedule = 'zero-bubble'"),
@@ -238,7 +198,6 @@ def refusals() -> list[str]:
         layers = fields.pop("layers", {})
         plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), layers=tuple(layers.items()), **fields)
         model = gpt(vocab_size=VOCAB, seq_len=T, num_layers=4, num_heads=change.get("num_heads", 4), d_model=16)
-        model.blocks[0].attn.qkv_head_major = change.get("head_major", True)
         before = copy.deepcopy(model.state_dict())
         target = mesh if plan.world_size == 4 and plan.pp == 1 and plan.dp == 1 else None
         target = target or harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
@@ -246,6 +205,14 @@ def refusals() -> list[str]:
             parallelize(model, plan, target, loss_fn=lm_loss)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was changed
         messages.append(str(err.value))
+    # a fused projection whose output holds q, k and v one after another: a rank's features are a piece of q
+    sections = Attention(d=16, heads=4)
+    attention = "scaled_dot_product_attention#0"
+    plan = Plan(tp=4, global_batch=2, input_shape=(2, 8, 16), layers=(("qkv", "column"), (attention, "shard"),
+                                                                       ("proj", "row")))
+    with pytest.raises(PlanError, match=r"layer '.*' reads 'qkv''s output, split over tp along its dim 2, "
+                                        "through a view that cuts that dim"):
+        parallelize(sections, plan, mesh, loss_fn=F.mse_loss)
     with pytest.raises(PlanError, match=r"the mesh has \{'pp': 1, 'dp': 1, 'spatial': 1, 'tp': 4\} ranks per axis"):
         parallelize(tiny_gpt(), gpt_plan(dp=2, tp=2), mesh, loss_fn=lm_loss)
     with pytest.raises(PlanError, match="batch_norm = 'replica': use one of global, spatial"):

@@ -327,7 +327,7 @@ def test_plans_that_do_not_fit_the_model_are_refused_before_any_worker(tmp_path,
     refused(Plan(dp=1, spatial=(1, 1, 1), tp=2, layers=(("features.9", "column"),), **fits),
             match="plan.json: layer 'features.9'")
     refused(Plan(dp=2, spatial=(1, 1, 1), tp=2, sharding=3, layers=(("features.0", "column"),), **fits),
-            match="layer 'features.0': a channel-split convolution with sharding 3 (FSDP) is not supported")
+            match="layer 'features.0' (Conv3d) cannot run 'column': FSDP / ZeRO (sharding > 0) does not run channel-split")
     refused(Plan(dp=1, spatial=(1, 1, 1), pp=2, micro_batches=2, stages=("head.9",), **fits),
             match="a stage cannot start at 'head.9'")
     refused(Plan(dp=4, spatial=(1, 1, 1), **fits), "--nproc", 2,

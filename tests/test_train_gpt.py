@@ -65,7 +65,7 @@ def plan_file(path: Path, **fields) -> Path:
         with torch.device("meta"):
             model = gpt(**MODEL)
         graph = graph_of(model, torch.zeros(8, 16, dtype=torch.long))
-        layers = tuple(pair_strategies(graph, tp=fields["tp"], model=model).items())
+        layers = tuple(pair_strategies(graph, tp=fields["tp"]).items())
     plan = Plan(global_batch=8, input_shape=(8, 16), dtype="float64", layers=layers, **fields)
     path.write_text(plan.to_json())
     return path

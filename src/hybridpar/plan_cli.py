@@ -14,6 +14,7 @@ from rich.table import Table
 from hybridpar.errors import HybridparError
 
 GiB = 2**30
+INPUT_DTYPES = ("int64", "int32", "float32", "float64", "bfloat16", "float16")
 
 
 def shape(text: str) -> tuple[int, ...]:
@@ -38,11 +39,19 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="the fastest ways to run a model on a cluster, predicted (no GPUs needed)")
+def add_model_arguments(p, example: str) -> None:
+    """``--model``, ``--input`` and ``--input-dtype``, as ``plan`` and ``simulate`` take them."""
     p.add_argument("--model", required=True,
                    help="cosmoflow, unet3d, a GPT preset (gpt2-small ... gpt3-175b) or pkg.module:factory")
-    p.add_argument("--input", type=shape, required=True, help="example input, batch first, e.g. 1x4x512x512x512")
+    p.add_argument("--input", type=shape, required=True, help=f"example input, batch first, e.g. {example}")
+    p.add_argument("--input-dtype", default="auto", choices=("auto", *INPUT_DTYPES),
+                   help="of a pkg.module:factory model's input: auto (default) gives token ids (int64) to a model "
+                        "whose first module is an nn.Embedding, floats of --dtype to any other")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the fastest ways to run a model on a cluster, predicted (no GPUs needed)")
+    add_model_arguments(p, "1x4x512x512x512")
     p.add_argument("--cluster", required=True, help="a preset (v100, a100-40, a100-80, h100, h200, mi250x) or a "
                                                     "cluster TOML file (hybridpar calibrate writes one)")
     p.add_argument("--devices", type=int, default=None, help="devices in all (default: the cluster file's)")
@@ -69,7 +78,7 @@ def run(args, console: Console) -> int:
         raise HybridparError(f"{args.out} exists; pass --overwrite to replace it, or choose another --out")
     spec = cluster_of(args.cluster)
     spec = spec.with_devices(args.devices) if args.devices else spec
-    model, example = build_for_planning(args.model, args.input)
+    model, example = build_for_planning(args.model, args.input, args.input_dtype)
     start = time.perf_counter()
     graph = graph_of(model, example, args.dtype)
     analysed = time.perf_counter()

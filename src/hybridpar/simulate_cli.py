@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridpar.errors import HybridparError
-from hybridpar.plan_cli import shape
+from hybridpar.plan_cli import add_model_arguments
 
 DEFAULT_OUT = "scaling.png"
 
@@ -42,9 +42,7 @@ def device_counts(text: str) -> tuple[int, ...]:
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predicted weak or strong scaling over device counts: table and PNG "
                                         "(no GPUs needed)")
-    p.add_argument("--model", required=True,
-                   help="cosmoflow, unet3d, a GPT preset (gpt2-small ... gpt3-175b) or pkg.module:factory")
-    p.add_argument("--input", type=shape, required=True, help="example input, batch first, e.g. 1x4x128x128x128")
+    add_model_arguments(p, "1x4x128x128x128")
     p.add_argument("--cluster", required=True, help="a preset (v100, a100-40, a100-80, h100, h200, mi250x) or a "
                                                     "cluster TOML file")
     p.add_argument("--devices", required=True, help="device counts: 8,16,32 or 8:4096 (doubling)")
@@ -71,7 +69,7 @@ def run(args, console: Console) -> int:
     out = _output(args)
     families = tuple(f for f in args.families.split(",") if f.strip()) if args.families else None
     spec = cluster_of(args.cluster)
-    model, example = build_for_planning(args.model, args.input)
+    model, example = build_for_planning(args.model, args.input, args.input_dtype)
     start = time.perf_counter()
     graph = graph_of(model, example, args.dtype)
     points = scaling(graph, spec, counts, mode=args.mode, batch=args.batch, families=families, dtype=args.dtype)

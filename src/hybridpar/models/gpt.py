@@ -94,11 +94,9 @@ class Attention(nn.Module):
 
     The rows of ``qkv`` are grouped by head (Megatron's layout): head ``h`` owns rows
     ``[3 * h * hs, 3 * (h + 1) * hs)``, its query, key and value in that order. A contiguous split of
-    ``qkv``'s outputs into ``tp`` parts therefore gives each rank whole heads (``qkv_head_major``, which
-    ``hybridpar.parallel.tensor`` requires of a fused projection before it splits one).
+    ``qkv``'s outputs into ``tp`` parts therefore gives each rank whole heads: the analysis follows the split
+    through the ``view`` in ``forward`` to the heads, and tensor parallelism splits it so.
     """
-
-    qkv_head_major = True
 
     def __init__(self, config: GPTConfig):
         super().__init__()

@@ -12,6 +12,7 @@ from hybridpar.errors import HybridparError
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import GPT_PRESETS, gpt
 from hybridpar.models.unet3d import unet3d
+from hybridpar.plan.graph import input_dtype_of
 
 VOLUME_MODELS = ("cosmoflow", "unet3d")
 
@@ -20,11 +21,14 @@ def known_names() -> list[str]:
     return [*VOLUME_MODELS, *GPT_PRESETS]
 
 
-def build_for_planning(name: str, input_shape: tuple[int, ...]) -> tuple[nn.Module, torch.Tensor]:
-    """A meta-device model and a meta example input of ``input_shape`` (batch first).
+def build_for_planning(name: str, input_shape: tuple[int, ...],
+                       input_dtype: str = "auto") -> tuple[nn.Module, torch.Tensor]:
+    """A meta-device model and an example input of ``input_shape`` (batch first).
 
     ``cosmoflow`` takes its edge and channels from ``(N, C, S, S, S)``; ``unet3d`` its channels; a GPT preset
-    takes token ids ``(B, T)``; ``pkg.module:factory`` is called with no arguments and gets a float input.
+    takes token ids ``(B, T)``; ``pkg.module:factory`` is called with no arguments and gets an input of
+    ``input_dtype``: ``auto`` gives token ids (zeros) to a model whose first module is an ``nn.Embedding``
+    (``hybridpar.plan.graph.input_dtype_of``), a float volume or sequence to any other.
     """
     with torch.device("meta"):
         if name == "cosmoflow":
@@ -39,7 +43,9 @@ def build_for_planning(name: str, input_shape: tuple[int, ...]) -> tuple[nn.Modu
                                      f"got {'x'.join(map(str, input_shape))}")
             return gpt(preset=name), torch.zeros(input_shape, dtype=torch.long)
         if ":" in name:
-            return _factory(name)(), torch.empty(input_shape)
+            model = _factory(name)()
+            dtype = input_dtype_of(model) if input_dtype == "auto" else getattr(torch, input_dtype)
+            return model, torch.zeros(input_shape, dtype=dtype)  # on the meta device: the analysis gives it zeros
     raise HybridparError(f"--model {name!r}: use one of {', '.join(known_names())}, or pkg.module:factory "
                          "for a function that returns an nn.Module")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,9 +40,10 @@ from hybridpar.mesh import AXES, build_mesh
 from hybridpar.parallel import pipeline
 from hybridpar.parallel.channels import _SplitConv, gather_parameter
 from hybridpar.parallel.data import flat_group, flat_mesh
-from hybridpar.parallel.tensor import Split, apply_splits, check_strategies
-from hybridpar.plan import graph_of
-from hybridpar.plan.graph import ModelGraph, blocks
+from hybridpar.parallel.tensor import apply_splits, check_strategies
+from hybridpar.parallel.pipeline import model_output
+from hybridpar.plan import check_grid, graph_of, rules
+from hybridpar.plan.graph import ModelGraph, blocks, input_dtype_of
 from hybridpar.plan.types import SHARDING_NAMES, Plan
 
 WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
@@ -60,10 +62,11 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     consumed: use the returned model's ``full_state_dict()`` to read its weights."""
     if batch_norm not in BATCH_NORM_SCOPES:
         raise PlanError(f"batch_norm = {batch_norm!r}: use one of {', '.join(BATCH_NORM_SCOPES)}")
-    splits, groups = check_plan(model, plan, example_input)
-    shape = tuple(example_input.shape if example_input is not None else plan.input_shape)
+    checked = check_plan(model, plan, example_input)
+    graph, groups = checked.graph, checked.groups
+    shape = graph.input_shape
     grid = plan.spatial if math.prod(plan.spatial) > 1 else (1,) * max(len(shape) - 2, 1)  # one part per dim
-    names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     params = {name for name, _ in model.named_parameters()}
     owners = _owners(names, groups, plan.pp)
     mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())  # the first collective
@@ -71,17 +74,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     pp_rank = mesh["pp"].get_local_rank()
     held = pipeline.stages_of_rank(len(groups), plan.pp, pp_rank) if plan.pp > 1 else [0]
     device = _device(mesh)
-    modules = {i: (pipeline.stage_module(model, groups[i]) if plan.pp > 1 else model).to(device) for i in held}
-    manual_sync = False
-    for index, module in modules.items():
-        modules[index], manual = _build(module, plan, grid, mesh, splits, BATCH_NORM_SCOPES[batch_norm])
+    modules, manual_sync = {}, False
+    for index in held:
+        module, run = pipeline.stage_module(model, checked.micro_graph, groups, index, device) if plan.pp > 1 \
+            else (model, None)
+        modules[index], manual = _build(module.to(device), plan, grid, mesh, checked, BATCH_NORM_SCOPES[batch_norm],
+                                        run)
         manual_sync = manual_sync or manual
     schedule, loss_fn = None, _ScheduleLoss(loss_fn)
     if plan.pp > 1:
         schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
                                            mesh["pp"].get_group(), device)
+    tied = [names for names in graph.shared if len({owners.get(n) for n in names}) > 1] if plan.pp > 1 else []
     batch = replica_batch(plan, shape[0])
-    return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch)
+    return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch, tied)
 
 
 class _ScheduleLoss:
@@ -96,11 +102,22 @@ class _ScheduleLoss:
         return output.new_zeros(()) if self.off else self.fn(output, target)
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What ``check_plan`` found: the model's graph (and, for a pipeline, its graph for one micro-batch, whose
+    shapes the stages exchange), the tensor-parallel splits, the block names of each pipeline stage."""
+
+    graph: ModelGraph
+    splits: dict
+    groups: list
+    micro_graph: ModelGraph | None = None
+
+
 def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None,
-               graph: ModelGraph | None = None):
-    """Every check of ``plan`` against ``model`` that needs no process group (``model`` may live on the meta
-    device; ``graph``: its layer graph, if the caller has analysed it already): ``(the tensor-parallel splits,
-    the block names of each pipeline stage)``, or a ``PlanError``."""
+               graph: ModelGraph | None = None) -> Checked:
+    """Every check of ``plan`` against ``model`` that needs no process group, identical on every rank (``model``
+    may live on the meta device; ``graph``: its layer graph, if the caller has analysed it already): the
+    rules the planner reads (``hybridpar.plan.rules``), or a ``PlanError``."""
     if plan.sharding not in SHARDING_NAMES:
         raise PlanError(f"sharding = {plan.sharding!r}: use 0 (DDP), 1, 2 or 3 (FSDP)")
     if plan.pp == 1 and plan.micro_batches != 1:
@@ -108,22 +125,39 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
     if plan.sequence_parallel and plan.tp == 1:
         raise PlanError("sequence_parallel = true needs tp > 1: it splits along the sequence what the "
                         "tensor-parallel ranks would otherwise each hold whole")
-    graph = graph or graph_of(model, _example(model, plan, example_input), dtype=_dtype_name(model))
-    splits = check_strategies(model, dict(plan.layers), graph, plan.tp,
-                              sequence_parallel=plan.sequence_parallel) if plan.tp > 1 else {}
-    convs = [name for name, split in splits.items() if split.kind == "conv" and split.strategy in ("column", "row")]
-    if convs and plan.sharding and math.prod(plan.spatial) * plan.dp > 1:
-        raise PlanError(f"layer {convs[0]!r}: a channel-split convolution with sharding {plan.sharding} (FSDP) "
-                        "is not supported yet; use sharding 0 (DDP) with filter / channel splits")
     if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
         raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
-    dense = [name for name, split in splits.items() if split.kind in ("linear", "embedding")]
-    if dense and math.prod(plan.spatial) > 1:
-        raise PlanError(f"layer {dense[0]!r}: spatial={plan.spatial} combines with filter / channel splits of "
-                        "convolutions, not with tensor-parallel Linear or Embedding layers; replicate it")
+    example = _example(model, plan, example_input)
+    graph = graph or graph_of(model, example, dtype=_dtype_name(model))
+    spatial, sharded = math.prod(plan.spatial) > 1, plan.sharding > 0 and math.prod(plan.spatial) * plan.dp > 1
+    if spatial:
+        check_grid(graph, plan.spatial)  # the spatial runtime's rules, before its first exchange
+    splits = check_strategies(dict(plan.layers), graph, plan.tp, sequence_parallel=plan.sequence_parallel,
+                              spatial=spatial, sharded=sharded) if plan.tp > 1 else {}
+    idle = rules.idle_tp_refusal(graph, plan.tp, [s.strategy for s in splits.values()])
+    if idle:
+        raise PlanError(f"{idle}; list the layers to split (hybridpar.parallel.tensor.pair_strategies finds them), "
+                        "or use dp instead")
     groups = _stage_groups(model, graph, plan)
     _owners(dict.fromkeys(model.state_dict()), groups, plan.pp)  # every parameter and buffer in a block
-    return splits, groups
+    micro = None
+    if plan.pp > 1:
+        if spatial and not graph.is_chain:
+            raise PlanError(f"pipeline stages with spatial={plan.spatial} need a model whose forward applies its "
+                            f"blocks one after another to each other's output ({graph.name} passes them other "
+                            "values too); use spatial or pipeline parallelism, not both")
+        micro = _micro_graph(model, plan, graph, example)
+    return Checked(graph, splits, groups, micro)
+
+
+def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example) -> ModelGraph:
+    """The graph of one micro-batch: the shapes the pipeline stages exchange and stand in for; each stage is
+    run on the meta device, as it will run, so that a forward the stages cannot run fails here."""
+    size = replica_batch(plan, graph.input_shape[0]) // plan.micro_batches
+    piece = example[:size] if isinstance(example, torch.Tensor) and len(example) >= size else \
+        torch.zeros((size,) + graph.input_shape[1:], dtype=getattr(torch, graph.input_dtype))
+    micro = graph_of(model, piece, dtype=_dtype_name(model))
+    return micro
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
@@ -143,9 +177,7 @@ def _example(model: nn.Module, plan: Plan, example_input: torch.Tensor | None):
         return example_input
     if not plan.input_shape:
         raise PlanError("the plan has no input_shape; pass example_input= (one batch of the model's input)")
-    first = next((m for m in model.modules() if not list(m.children())), None)
-    dtype = torch.long if isinstance(first, nn.Embedding) else torch.float32
-    return torch.zeros(plan.input_shape, dtype=dtype)
+    return torch.zeros(plan.input_shape, dtype=input_dtype_of(model))
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -192,19 +224,22 @@ def _device(mesh: DeviceMesh) -> torch.device:
                                                                               torch.cuda.current_device())
 
 
-def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMesh, splits: dict[str, Split],
-           norm_axes: tuple[str, ...]) -> tuple[nn.Module, bool]:
-    """Steps 3-6 of the module doc on one module (the model, or one pipeline stage); also whether the
-    gradients need a manual all-reduce (tensor or pipeline parallelism under sharding 0). ``grid`` is the
-    plan's spatial grid with one part per spatial dim of the input where the plan splits none."""
-    if splits:
-        module = apply_splits(module, splits, mesh["tp"])
+def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMesh, checked: Checked,
+           norm_axes: tuple[str, ...], run) -> tuple[nn.Module, bool]:
+    """Steps 3-6 of the module doc on one module (the model, or one pipeline stage, connected to its ``run``
+    once its splits are made); also whether the gradients need a manual all-reduce (tensor or pipeline
+    parallelism under sharding 0). ``grid`` is the plan's spatial grid with one part per spatial dim of the
+    input where the plan splits none."""
+    if checked.splits:
+        module = apply_splits(module, checked.splits, mesh["tp"], checked.graph.shared)
+    if run is not None:
+        pipeline.connect(module, run)
     shared_norms = _has_batch_norm(module) and mesh[norm_axes].size() > 1
     if math.prod(grid) > 1 or shared_norms:  # the spatial runtime also sums batch-norm statistics over ranks
         from hybridpar import spatial
 
         module = spatial.parallelize(module, mesh["spatial"], grid=grid, batch_norm_mesh=mesh[norm_axes])
-    held = [m for _, m in blocks(module) if not isinstance(m, nn.Identity)]
+    held = [m for _, m in blocks(module) if not getattr(m, "stands_in", False)]
     if plan.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -216,13 +251,25 @@ def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMes
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = flat_mesh(mesh, ("dp", "spatial"))
-        for block in held:
-            if any(True for _ in block.parameters()):
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
+        for block in _fsdp_units(module, held):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
         return fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3), False
-    if splits or plan.pp > 1:
+    if checked.splits or plan.pp > 1:
         return module, True
-    return DistributedDataParallel(module, process_group=flat_group(mesh, ("dp", "spatial"))), False
+    # parameters the forward never uses leave their DDP bucket unfinished: told so, DDP reduces it anyway
+    return DistributedDataParallel(module, process_group=flat_group(mesh, ("dp", "spatial")),
+                                   find_unused_parameters=bool(checked.graph.unused)), False
+
+
+def _fsdp_units(module: nn.Module, held: list[nn.Module]) -> list[nn.Module]:
+    """The blocks FSDP shards one by one: those with parameters, each registered once (a parameter under two
+    names, a head tied to the token embedding or a module registered twice, stays with the root, which
+    gathers it once for all its uses)."""
+    count: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        count[id(p)] = count.get(id(p), 0) + 1
+    return [block for block in held if any(True for _ in block.parameters())
+            and all(count[id(p)] == 1 for p in block.parameters())]
 
 
 def _has_batch_norm(module: nn.Module) -> bool:
@@ -234,8 +281,10 @@ class ParallelModel:
     micro-batches), leaving the gradients on the local parameters for any torch optimizer."""
 
     def __init__(self, modules: dict[int, nn.Module], schedule, plan: Plan, mesh: DeviceMesh, loss_fn,
-                 names: dict, params: set[str], owners: dict[str, int], manual_sync: bool, replica_batch: int):
+                 names: dict, params: set[str], owners: dict[str, int], manual_sync: bool, replica_batch: int,
+                 tied: list[tuple[str, ...]] = ()):
         self.modules, self.schedule, self.plan, self.mesh = modules, schedule, plan, mesh
+        self._tied = list(tied)  # names of each parameter that several pipeline stages hold a copy of
         self.loss_fn, self._manual_sync = loss_fn, manual_sync
         self._replica_batch = replica_batch  # the batch the pipeline stages' buffers are shaped for
         self._names, self._params, self._owners = names, params, owners  # of the original model
@@ -258,11 +307,13 @@ class ParallelModel:
         steps (``optimizer.zero_grad()``)."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         if self.schedule is None:
-            loss = self.loss_fn(self.module(inputs), targets)
+            loss = self.loss_fn(model_output(self.module(inputs)), targets)
             loss.backward()
             loss = loss.detach()
         else:
             loss = self._pipeline_step(inputs, targets)
+        if self._tied:
+            self._sum_tied_gradients()
         if self._manual_sync:
             self._all_reduce_gradients()
         return loss
@@ -273,7 +324,7 @@ class ParallelModel:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self._evaluating():
             if self.schedule is None:
-                return self.loss_fn(self.module(inputs), targets).detach()
+                return self.loss_fn(model_output(self.module(inputs)), targets).detach()
             return self._pipeline_step(inputs, targets, self.schedule.eval)
 
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -283,7 +334,7 @@ class ParallelModel:
         inputs = inputs.to(self.device)
         with self._evaluating():
             if self.schedule is None:
-                return self.module(inputs)
+                return model_output(self.module(inputs))
             per, outputs = self._replica_batch, []
             first, last = 0 in self.modules, self._num_stages - 1 in self.modules
             self.loss_fn.off = True
@@ -351,13 +402,29 @@ class ParallelModel:
         """The global rank of this rank's pp group that runs the last pipeline stage."""
         return dist.get_global_rank(self.mesh["pp"].get_group(), (self._num_stages - 1) % self.plan.pp)
 
+    def _sum_tied_gradients(self) -> None:
+        """A parameter that stages on several pp ranks hold a copy of (a head tied to the token embedding) gets
+        the sum of the copies' gradients on every copy, as one process's one parameter gets both uses'."""
+        group = self.mesh["pp"].get_group()
+        for names in self._tied:
+            copies = list({id(p): p for module in self.modules.values() for name, p in
+                           module.named_parameters(remove_duplicate=False) if original_name(name) in names}.values())
+            total = None
+            for p in copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grad = _local_grad(p)
+                total = grad.clone() if total is None else total + grad
+            dist.all_reduce(total, group=group)
+            for p in copies:
+                _local_grad(p).copy_(total)
+
     def _all_reduce_gradients(self) -> None:
         """The mean of every local gradient over ``dp x spatial``, flattened into buckets of at most
         ``BUCKET_BYTES`` (as DDP does): one all-reduce per bucket, not one per parameter."""
         group = flat_group(self.mesh, ("dp", "spatial"))
         size = dist.get_world_size(group)
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in self.parameters() if p.grad is not None]
+        grads = [_local_grad(p) for p in self.parameters() if p.grad is not None]
         for bucket in _buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=group)
@@ -412,13 +479,22 @@ def _buckets(tensors: list[torch.Tensor]):
         yield bucket
 
 
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p``'s gradient, laid out as ``p`` is (DTensor may leave the gradient of a split
+    parameter whole on every rank; it is then made split as the parameter, which slices it locally)."""
+    grad = p.grad
+    if hasattr(grad, "placements") and grad.placements != p.placements:
+        p.grad = grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
 def local_tensors(module: nn.Module, buffers: bool = True):
     """``(original name, tensor, split conv or None, its parameter name)`` for each parameter (and persistent
-    buffer) of a parallel ``module``: through DDP and checkpoint wrappers, a channel-split conv's shards under
-    the original conv's names."""
+    buffer) of a parallel ``module``, under each of its names (a tied weight, a module registered twice): through
+    DDP and checkpoint wrappers, a channel-split conv's shards under the original conv's names."""
     module = module.module if isinstance(module, DistributedDataParallel) else module
     inner = {id(m.conv) for m in module.modules() if isinstance(m, _SplitConv)}
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules(remove_duplicate=False):
         if id(sub) in inner:
             continue  # its shards are named as the _SplitConv's
         split = sub if isinstance(sub, _SplitConv) else None

@@ -1,14 +1,21 @@
-"""Pipeline parallelism on PyTorch's ``torch.distributed.pipelining``: stages cut from a model's top-level
-sequence of blocks, built by hand as ``PipelineStage``s, run by its GPipe, 1F1B or interleaved 1F1B schedule.
+"""Pipeline parallelism on PyTorch's ``torch.distributed.pipelining``: stages cut between a model's blocks,
+built by hand as ``PipelineStage``s, run by its GPipe, 1F1B or interleaved 1F1B schedule.
 
-A model pipelines if its forward is the composition of its top-level *blocks* in order, each reading only
-the output of the one before (``hybridpar.plan.graph.blocks``: the top-level children, with an
-``nn.Sequential`` or ``nn.ModuleList`` child expanded into its entries; a GPT: ``embed``, ``blocks.0`` ...
-``blocks.N-1``, ``ln_f``, ``lm_head``; CosmoFlow: the layers of ``features`` and of ``head``).
-``stage_units`` checks this on the layer graph (every layer runs in a block, in order, and one tensor
-crosses each cut) before anything is built; the planner cuts only there too. A stage's module is a copy of
-the model in which every block of other stages is an ``nn.Identity``: it runs the model's own forward,
-keeps the original parameter names, and holds only its own blocks' parameters.
+A model's *blocks* are its top-level children, with an ``nn.Sequential`` or ``nn.ModuleList`` expanded into
+its entries and a trunk that holds one (a Hugging Face ``model.model``) expanded into its own blocks
+(``hybridpar.plan.graph.blocks``; a GPT: ``embed``, ``blocks.0`` ... ``ln_f``, ``lm_head``; a Llama:
+``model.embed_tokens``, ``model.rotary_emb``, ``model.layers.0`` ..., ``model.norm``, ``lm_head``). A stage
+holds a run of them and runs **the model's own forward** on a copy of the model in which every block of
+another stage is skipped: it stands in with zeros of the shapes the block returns (``StandIn``; in a model
+that is a plain chain of blocks, ``ModelGraph.is_chain``, it passes its input on, and the stage's input is
+the previous stage's output, slabs of a spatially split volume included). What a held
+block is passed that the stage cannot compute (the previous stage's activation, and whatever else crosses:
+rotary tables, masks; ``rules.stage_interfaces``) is replaced by the values the previous stage sent; what
+later stages need is caught where the model passes it to a block this stage skips. Keyword inputs and
+structured outputs (a ``CausalLMOutputWithPast``) therefore need nothing of the model: the last stage returns
+the first tensor of the model's output. ``rules.stage_cut_refusal`` refuses the cuts this cannot make exact
+(a block that returns something else than tensors, two activations that need gradients crossing, blocks not
+called in order), before anything is built; the planner cuts only where it allows.
 
 With ``S`` stages on ``pp`` ranks, rank ``r`` of the pp axis holds stage ``r`` (GPipe, 1F1B: ``S = pp``) or
 stages ``r, r + pp, r + 2 pp, ...`` (interleaved 1F1B: ``S`` a multiple of ``pp``, at least ``2 pp``).
@@ -21,8 +28,10 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hybridpar.errors import PlanError
+from hybridpar.plan import rules
 from hybridpar.plan.graph import ModelGraph, blocks
 from hybridpar.plan.types import SCHEDULES as PLAN_SCHEDULES
 from hybridpar.plan.validate import check_stage_count, some
@@ -37,23 +46,18 @@ def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: s
     num_stages = len(starts) + 1
     names = list(graph.blocks)
     if num_stages > len(names):
-        raise PlanError(f"{num_stages} pipeline stages, but {graph.name} has {len(names)} top-level blocks "
+        raise PlanError(f"{num_stages} pipeline stages, but {graph.name} has {len(names)} blocks "
                         f"({some(names)}); use at most {len(names)} stages")
-    if graph.unordered_layer is not None:
-        raise PlanError(f"layer {graph.unordered_layer.name!r} runs outside the top-level blocks of {graph.name} "
-                        f"in order ({some(names)}), so the model cannot be cut into pipeline stages; write its "
-                        "forward as those blocks applied one after another (move that work into a block)")
-    firsts = {layer.name: layer.index for layer in graph.layers
-              if layer.index == 0 or graph.block_index[layer.index] != graph.block_index[layer.index - 1]}
+    firsts = {graph.layers[i].name: b for b, i in graph.block_starts.items()}
     bounds = [0]
     for start in starts:
         if start not in firsts:
-            raise PlanError(f"a stage cannot start at {start!r}: stages start where a top-level block starts, "
-                            f"at one of {some(list(firsts))}")
-        if firsts[start] not in graph.stage_starts:
-            raise PlanError(f"a stage cannot start at {start!r}: more than one tensor crosses there; move the "
-                            "boundary to another block")
-        block = graph.block_index[firsts[start]]
+            raise PlanError(f"a stage cannot start at {start!r}: stages start where a block starts, at one of "
+                            f"{some(list(firsts))}")
+        block = firsts[start]
+        refused = rules.stage_cut_refusal(graph, block) if block > 0 else "it is the first block"
+        if refused:
+            raise PlanError(f"a stage cannot start at {start!r}: {refused}")
         if block <= bounds[-1]:
             raise PlanError(f"stage boundaries {list(starts)} must be distinct and in the model's order")
         bounds.append(block)
@@ -73,11 +77,141 @@ def check_micro_batches(micro_batches: int, num_stages: int, pp: int, schedule: 
                         f"{rounds}; use a multiple of {pp}")
 
 
-def stage_module(model: nn.Module, keep: list[str]) -> nn.Module:
-    """A copy of ``model`` with the units in ``keep`` and ``nn.Identity`` for every other unit (whose
-    parameters are not copied)."""
-    others = {id(module): nn.Identity() for name, module in blocks(model) if name not in keep}
-    return copy.deepcopy(model, memo=others)
+class StandIn(nn.Module):
+    """A block of another stage: holds no parameter, and returns zeros of the shapes the block returns (the
+    model's own code between blocks runs on them; nothing the stage computes depends on them). It also
+    catches, among what the model passes it, the values the next stages need."""
+
+    stands_in = True
+
+    def __init__(self, name: str, run: "StageRun"):
+        super().__init__()
+        self.name, self.run = name, run
+
+    def forward(self, *args, **kwargs):
+        if self.run.graph.is_chain:  # the model is its blocks in a chain: pass the activation on
+            return args[0]
+        call = self.run.next_call(self.name)
+        leaves = tree_flatten((args, kwargs))[0]
+        for arg in call.args:
+            if arg.value in self.run.wanted and arg.value not in self.run.caught:
+                self.run.caught[arg.value] = leaves[arg.leaf]
+        return zeros_like_structure(call.output, self.run.device)
+
+
+def zeros_like_structure(structure: tuple, device: torch.device):
+    """Zeros shaped as ``structure`` (``hybridpar.plan.graph.structure``) describes."""
+    kind, rest = structure[0], structure[1:]
+    if kind == "tensor":
+        shape, dtype, _ = rest
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    if kind in ("tuple", "list"):
+        items = [zeros_like_structure(s, device) for s in rest[0]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: zeros_like_structure(v, device) for k, v in rest[0]}
+    return rest[0]
+
+
+class StageRun:
+    """What one stage module does around the model's forward: the values it received, those it must send."""
+
+    def __init__(self, graph: ModelGraph, held: list[str], interface: rules.StageInterface, last: bool,
+                 device: torch.device):
+        self.graph, self.interface, self.last, self.device = graph, interface, last, device
+        self.calls: dict[str, list] = {}
+        for call in graph.block_calls:
+            self.calls.setdefault(graph.blocks[call.block], []).append(call)
+        self.held = set(held)
+        self.wanted = set(interface.sends) - set(interface.receives)
+        self.received: dict[int, torch.Tensor] = {}
+        self.caught: dict[int, torch.Tensor] = {}
+        self.count: dict[str, int] = {}
+
+    def next_call(self, name: str):
+        """The analysis' record of this call of block ``name`` (a block called once: its only call, also when
+        activation checkpointing calls it again in backward)."""
+        calls = self.calls[name]
+        if len(calls) == 1:
+            return calls[0]
+        k = self.count.get(name, 0)
+        self.count[name] = k + 1
+        if k >= len(calls):
+            raise PlanError(f"block {name!r} was called {k + 1} times in a stage's forward, {len(calls)} times in "
+                            "the model's analysis: the forward must call its blocks alike at every step")
+        return calls[k]
+
+    def before(self, module, args, kwargs):
+        """The stage module's forward pre-hook: ``args`` are what the previous stage sent (the first stage: the
+        model input); the model then runs on an input of zeros."""
+        self.count, self.caught = {}, {}
+        if not self.interface.receives:
+            return None
+        self.received = dict(zip(self.interface.receives, args))
+        dtype = getattr(torch, self.graph.input_dtype)
+        return (torch.zeros(self.graph.input_shape, dtype=dtype, device=self.device),), {}
+
+    def substitute(self, module, args, kwargs):
+        """A held block's forward pre-hook: what it is passed from earlier stages, as they sent it."""
+        call = self.next_call(module.hp_block)
+        leaves, spec = tree_flatten((args, kwargs))
+        changed = False
+        for arg in call.args:
+            if arg.value in self.received:
+                leaves[arg.leaf] = self.received[arg.value]
+                changed = True
+        return tree_unflatten(leaves, spec) if changed else None
+
+    def after(self, module, args, kwargs, output):
+        """The stage module's forward hook: the last stage returns the model's output tensor, the others what the
+        next stage needs."""
+        if self.last:
+            return model_output(output)
+        values = {**self.received, **self.caught}
+        missing = [v for v in self.interface.sends if v not in values]
+        if missing:
+            raise PlanError(f"a pipeline stage did not see {len(missing)} of the values it must send; the model's "
+                            "forward passes its blocks other tensors than in its analysis")
+        sent = tuple(values[v] for v in self.interface.sends)
+        return sent[0] if len(sent) == 1 else sent
+
+
+def model_output(output) -> torch.Tensor:
+    """The tensor a model's output holds first: the output itself, or the logits of a Hugging Face
+    ``ModelOutput`` (its first tensor), or the first tensor of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise PlanError(f"the model returned {type(output).__name__} with no tensor in it; return the output tensor")
+    return tensors[0]
+
+
+def stage_module(model: nn.Module, graph: ModelGraph, groups: list[list[str]], stage: int,
+                 device: torch.device) -> tuple[nn.Module, StageRun]:
+    """A copy of ``model`` for stage ``stage`` of ``groups`` (the block names of each stage), in which the blocks
+    of other stages stand in (``StandIn``; their parameters are not copied); ``connect`` it to its ``StageRun``
+    once its own blocks are split. ``graph`` is the model's graph for one micro-batch."""
+    keep = groups[stage]
+    run = StageRun(graph, keep, rules.stage_interfaces(graph, groups)[stage], stage == len(groups) - 1, device)
+    stand_ins = {id(module): StandIn(name, run) for name, module in blocks(model) if name not in keep}
+    return copy.deepcopy(model, memo=stand_ins), run
+
+
+def connect(module: nn.Module, run: StageRun) -> None:
+    """The hooks through which a stage module takes what the previous stage sent and returns what the next one
+    needs (``StageRun``): on the module, and on each block it holds. A chain of blocks (``ModelGraph.is_chain``)
+    needs none: its stage takes the previous stage's output as its input, the skipped blocks pass it on."""
+    if run.graph.is_chain:
+        return
+    module.register_forward_pre_hook(run.before, with_kwargs=True)
+    module.register_forward_hook(run.after, with_kwargs=True)
+    for name, block in blocks(module):
+        if name in run.held:
+            block.hp_block = name
+            block.register_forward_pre_hook(run.substitute, with_kwargs=True)
 
 
 def stages_of_rank(num_stages: int, pp: int, rank: int) -> list[int]:

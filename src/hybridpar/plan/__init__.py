@@ -35,7 +35,8 @@ def cluster_of(cluster: ClusterSpec | str) -> ClusterSpec:
 
 def graph_of(model: nn.Module | ModelGraph, example_input, dtype: str = "float32") -> ModelGraph:
     """The layer graph of ``model`` for ``example_input`` (a tensor, or a shape: float volumes; give a
-    tensor of ``torch.long`` for token ids). ``dtype`` is that of the parameters and activations."""
+    tensor of ``torch.long`` for token ids, whose values a forward may branch on). ``dtype`` is that of the
+    parameters and activations. The analysis runs on a meta copy: ``model`` is left as it is."""
     if isinstance(model, ModelGraph):
         return model
     if dtype not in DTYPES:
@@ -43,9 +44,8 @@ def graph_of(model: nn.Module | ModelGraph, example_input, dtype: str = "float32
     if isinstance(example_input, torch.Tensor):
         shape, input_dtype = tuple(example_input.shape), example_input.dtype
         input_dtype = DTYPES[dtype] if input_dtype.is_floating_point else input_dtype
-    else:
-        shape, input_dtype = tuple(example_input), DTYPES[dtype]
-    return analyse(model, shape, DTYPES[dtype], input_dtype)
+        return analyse(model, shape, DTYPES[dtype], input_dtype, example=example_input)
+    return analyse(model, tuple(example_input), DTYPES[dtype], DTYPES[dtype])
 
 
 def search_plans(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | str, *,

@@ -1,10 +1,11 @@
 """Per-layer costs of one mesh choice: what each layer costs on one device for each tp strategy.
 
-For a spatial grid, a tp degree and a micro-batch size, ``layer_options`` lists every legal way to run
-each layer with its time (forward + backward, its own communication included) and memory; the tp
-layout of the activation between layers is ``R`` (whole on every tp rank), ``S`` (features / channels
-/ heads split) or ``P`` (partial sums, after a row split). ``transition`` prices the redistribution
-from one layout to another. Everything is per device and per micro-batch.
+For a spatial grid, a tp degree and a micro-batch size, ``layer_options`` lists every way to run each layer
+that the rules allow it by itself (``rules.tp_refusal``) with its time (forward + backward, its own
+communication included) and memory; the tp layout of its output is ``R`` (whole on every tp rank), ``S``
+(features / channels / heads split) or ``P`` (partial sums, after a row split, summed by the row layer).
+``redistribution`` prices the layout changes the runtime makes at a layer: a column layer's gather, a row
+layer's sum and the slice of a whole input. Everything is per device and per micro-batch.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ from functools import lru_cache
 from hybridpar.errors import GeometryError, PlanError
 from hybridpar.plan import cost
 from hybridpar.plan.cluster import ClusterSpec
+from hybridpar.plan import rules
 from hybridpar.plan.graph import INPUT, Layer, ModelGraph
 from hybridpar.spatial.geometry import plan_exchange, split_bounds
 
 R, S, P = "R", "S", "P"
-SPATIAL_KINDS = frozenset({"conv", "conv_transpose", "pool", "global_pool", "batch_norm", "group_norm",
-                           "pointwise", "flatten", "upsample", "cat"})
-SHARDABLE = frozenset({"pointwise", "pool", "upsample"})  # as hybridpar.parallel.tensor runs them split
-TOKEN_WISE = frozenset({"pointwise", "layer_norm"})  # on sequence shards under sequence parallelism
+LAYOUTS = {"replicate": (R, R), "column": (R, S), "row": (S, P), "shard": (S, S)}
 # A spatially split normalisation runs as separate ops: forward sum, x - mean, its square, the square's sum,
 # the scaling (5 reads + 3 writes: 4x the fused layer's read + write), backward about twice that.
 SPATIAL_NORM_PASSES = (4, 8)
@@ -69,14 +68,17 @@ class MeshContext:
 
 
 def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
-    """Refuse a spatial grid the runtime would refuse (a slab thinner than its halo, a layer that
-    cannot run on slabs), naming the first layer that breaks; the same rules as ``hybridpar.spatial``."""
+    """Refuse a spatial grid the runtime would refuse (an operation that mixes positions, a slab thinner than
+    its halo), naming the first layer that breaks: the same rules as ``hybridpar.spatial``."""
     split = any(p > 1 for p in grid)
     if not split:
         return
     if graph.spatial_ndim != len(grid):
         raise PlanError(f"spatial grid {grid} has {len(grid)} dims but the model's input {graph.input_shape} has "
                         f"{graph.spatial_ndim} spatial dims")
+    refused = rules.first_refusal(graph.spatial_refusals, grid)
+    if refused:
+        raise PlanError(refused)
     for layer in graph.layers:
         if layer.spatial_in:
             _check_layer_grid(layer, grid)
@@ -84,10 +86,8 @@ def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
 
 def _check_layer_grid(layer: Layer, grid: tuple[int, ...]) -> None:
     where = f"layer {layer.name!r} ({layer.op})"
-    if layer.kind not in SPATIAL_KINDS:
-        raise PlanError(f"{where} cannot run on slabs of a spatially split volume; use spatial=(1, ...)")
     out_spatial = layer.out_shape[2:] if layer.kind not in ("global_pool", "flatten") else layer.in_shape[2:]
-    for axis, parts in enumerate(grid):
+    for axis, parts in enumerate(grid[:len(out_spatial)]):
         rows = min(out_spatial[axis], layer.in_shape[2 + axis])
         if parts > 1 and rows < parts:
             raise PlanError(f"{where}: spatial dim {axis} has {rows} rows, fewer than its {parts} parts")
@@ -158,46 +158,27 @@ def _spatial(layer: Layer, ctx: MeshContext) -> tuple[float, tuple[float, ...]]:
     return fraction, halos
 
 
-def layer_options(layer: Layer, graph: ModelGraph, ctx: MeshContext, chain_only: bool) -> tuple[Option, ...]:
-    """Every legal way to run ``layer`` on this mesh (replicate alone when tp is 1)."""
+def layer_options(layer: Layer, graph: ModelGraph, ctx: MeshContext) -> tuple[Option, ...]:
+    """Every way to run ``layer`` on this mesh that the rules allow it by itself (replicate alone when tp is 1)."""
     scale = ctx.micro_batch / graph.batch
     fraction, halo_per_sample = _spatial(layer, ctx)
-    strategies = _strategies(layer, ctx, chain_only)
-    return tuple(_option(layer, ctx, s, scale, fraction, halo_per_sample) for s in strategies)
+    return tuple(_option(layer, ctx, s, scale, fraction, halo_per_sample) for s in strategies(layer, ctx))
 
 
-def _strategies(layer: Layer, ctx: MeshContext, chain_only: bool) -> list[tuple[str, str, str]]:
-    out = [("replicate", R, R)]
-    tp = ctx.tp
-    if tp == 1 or not splittable(layer, ctx):
-        return out
-    cin, cout = layer.channels
-    if layer.kind in ("conv", "linear", "embedding"):  # what hybridpar.parallel.tensor splits
-        if cout and cout % tp == 0:
-            out.append(("column", R, S))
-        if cin and cin % tp == 0:
-            out.append(("row", R if layer.kind == "embedding" else S, P))
-    elif layer.kind == "attention" and layer.heads % tp == 0 and chain_only:
-        out.append(("shard", S, S))
-    elif layer.kind in SHARDABLE and chain_only:
-        out.append(("shard", S, S))
-    return out
+def strategies(layer: Layer, ctx: MeshContext) -> tuple[str, ...]:
+    """The tp strategies ``layer`` may take on this mesh (``rules.tp_refusal``)."""
+    if ctx.tp == 1:
+        return ("replicate",)
+    spatial = math.prod(ctx.grid) > 1
+    return tuple(s for s in rules.TP_STRATEGIES
+                 if rules.tp_refusal(layer, s, ctx.tp, spatial=spatial, sharded=ctx.sharded) is None)
 
 
-def splittable(layer: Layer, ctx: MeshContext) -> bool:
-    """Whether the runtime (``hybridpar.parallelize``) can split ``layer`` over tp on this mesh: not a conv
-    whose parameters FSDP / ZeRO also shards, not a Linear or Embedding layer of a spatially split model."""
-    if layer.kind == "conv":
-        return not ctx.sharded
-    if layer.kind in ("linear", "embedding"):
-        return math.prod(ctx.grid) == 1
-    return True
-
-
-def _option(layer: Layer, ctx: MeshContext, strategy: tuple[str, str, str], scale: float, fraction: float,
+def _option(layer: Layer, ctx: MeshContext, name: str, scale: float, fraction: float,
             halo_per_sample: tuple[float, ...]) -> Option:
-    name, lin, lout = strategy
-    on_tokens = ctx.sequence_parallel and name == "replicate" and layer.kind in TOKEN_WISE
+    lin, lout = LAYOUTS[name]
+    lin = R if name == "row" and layer.kind == "embedding" else lin
+    on_tokens = ctx.sequence_parallel and name == "replicate" and layer.kind in rules.TOKEN_WISE
     split = ctx.tp if name != "replicate" or on_tokens else 1
     params = layer.param_bytes / (1 if on_tokens else split)  # a norm's parameters stay whole on every rank
     act_bytes = (layer.bytes_moved - layer.param_bytes) * scale * fraction / split
@@ -323,15 +304,23 @@ def _spatial_collectives(layer: Layer, ctx: MeshContext, scale: float, fraction:
 
 
 def transition(src: str, dst: str, num_bytes: float, group: cost.Group) -> float:
-    """Forward + backward time to turn an activation of ``num_bytes`` (whole) from layout ``src`` into ``dst``."""
+    """Forward + backward time to turn an activation of ``num_bytes`` (whole) from layout ``src`` into ``dst``:
+    the changes the runtime makes (a column layer's gather, a row layer's sum and its slice of a whole input)."""
     if src == dst:
         return 0.0
-    if (src, dst) == (S, R):
-        return cost.all_gather_time(num_bytes, group)
-    if (src, dst) == (R, S):
-        return cost.all_gather_time(num_bytes, group)  # the gradient comes back split: gather it
+    if (src, dst) in ((S, R), (R, S)):
+        return cost.all_gather_time(num_bytes, group)  # a slice's gradient comes back split: gathered
     if (src, dst) == (P, R):
         return cost.all_reduce_time(num_bytes, group)
-    if (src, dst) == (P, S):
-        return cost.reduce_scatter_time(num_bytes, group) + cost.all_gather_time(num_bytes, group)
-    return math.inf
+    raise ValueError(f"no layout change {src} -> {dst}")
+
+
+def redistribution(layer: Layer, option: Option, gather: bool, sliced: bool, group: cost.Group) -> float:
+    """What the runtime's layout changes at ``layer`` cost (forward + backward): a column layer that gathers its
+    output, a row layer's sum of partial outputs, and its slice of a whole input."""
+    move = transition(R, S, option.in_bytes, group) if sliced else 0.0
+    if option.layout_out == P:
+        move += transition(P, R, option.out_bytes, group)
+    elif gather:
+        move += transition(S, R, option.out_bytes, group)
+    return move

@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field
 
 from hybridpar.errors import PlanError
-from hybridpar.plan import cost
+from hybridpar.plan import cost, rules
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.layers import R, MeshContext, Option, check_grid, layer_options, transition
+from hybridpar.plan.layers import R, S, MeshContext, Option, check_grid, layer_options, redistribution, strategies
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.types import Plan, Prediction
 
@@ -125,8 +125,9 @@ def _context(cluster: ClusterSpec, c: Constraints, dp: int, grid: tuple[int, ...
 
 @dataclass(frozen=True)
 class Chain:
-    """The per-layer choice for one mesh: an option per layer, the redistribution time paid before
-    each layer, and the tp layout after each layer."""
+    """The per-layer choice for one mesh: an option per layer, the time of the layout changes the runtime
+    makes at each layer (``layers.redistribution``), and the tp layout of each layer's output as its readers
+    get it (``R`` whole, ``S`` split)."""
 
     options: tuple[Option, ...]
     redistribution: tuple[float, ...]
@@ -135,60 +136,114 @@ class Chain:
     def layer_time(self, i: int) -> float:
         return self.options[i].time + self.redistribution[i]
 
+    @property
+    def total_time(self) -> float:
+        return sum(map(self.layer_time, range(len(self.options))))
 
-def best_chain(graph: ModelGraph, ctx: MeshContext, cache: dict | None = None) -> Chain:
-    """Per-layer tp strategies of least time (then least memory), by dynamic programming over the
-    layout (R, S, P) of the activation between consecutive layers. Exact: every assignment the
-    layouts allow is considered, with the redistribution between layers priced by ``transition``.
+    @property
+    def memory(self) -> float:
+        return sum(o.params + o.saved for o in self.options)
 
-    Outputs that must be whole (``forced_replicated``) cut the chain into segments that start and end
-    in layout R; a segment is solved once per sequence of layer signatures (the blocks of a GPT share one)."""
+
+def best_chain(graph: ModelGraph, ctx: MeshContext, cache: dict | None = None, allowed=None) -> Chain:
+    """Per-layer tp strategies of least time (then least memory), exact over the assignments the rules allow:
+    dynamic programming along the layers, each layer either alone (whole at its edges: replicate, a column
+    layer that gathers, a row layer that slices) or in a region (``rules.regions``: layers split together,
+    whole at the region's edges). With tp > 1, the best assignment that splits some layer (if any does; one
+    that splits none would have every tp rank repeat all the work: ``rules.idle_tp_refusal``). Layers that
+    share a parameter split it alike (``rules.check_shared``): each way to split the shared ones is solved,
+    and the best kept. ``allowed`` (``{layer index: strategies}``) restricts the choice."""
     cache = {} if cache is None else cache
-    picks: list[tuple[Option, float]] = []
-    for start, stop, kind in graph.segments:
-        key = ("segment", ctx, kind)
-        if key not in cache:
-            cache[key] = _segment(graph, graph.layers[start:stop], ctx, cache)
-        picks.extend(cache[key])
-    return _assemble(picks, graph.forced_replicated)
+    choices = _tied_choices(graph, ctx) if allowed is None and ctx.tp > 1 else [None]
+    if choices != [None] and choices != [{}]:
+        chains = [best_chain(graph, ctx, cache, choice) for choice in choices]
+        return min(chains, key=lambda c: (c.total_time, c.memory))
+    key = ("chain", ctx, None if allowed is None else tuple(sorted((i, tuple(sorted(s))) for i, s in allowed.items())))
+    if key in cache:
+        return cache[key]
+    n = len(graph.layers)
+    by_start: dict[int, list] = {}
+    for region in _regions(graph, ctx, cache):
+        if allowed is None or all(s in allowed.get(i, (s,)) for i, s in zip(region.layers, region.strategies)):
+            by_start.setdefault(region.start, []).append(region)
+    # best[i][k]: least (time, memory) of layers [0, i) with (k = 1) or without (k = 0) a split layer among them
+    best = [[(0.0, 0.0), (math.inf, math.inf)]] + [[(math.inf, math.inf)] * 2 for _ in range(n)]
+    back: list = [[None, None] for _ in range(n + 1)]
+
+    def offer(start: int, stop: int, picks: tuple, time: float, memory: float, splits: bool) -> None:
+        for k in (0, 1):
+            value = (best[start][k][0] + time, best[start][k][1] + memory)
+            to = k or splits
+            if value < best[stop][to]:
+                best[stop][to], back[stop][to] = value, (start, k, picks)
+
+    for i, layer in enumerate(graph.layers):
+        for name, pick in _standalone(graph, layer, ctx, cache):
+            if allowed is None or name in allowed.get(i, (name,)):
+                offer(i, i + 1, (pick,), pick[0].time + pick[1], pick[0].params + pick[0].saved, name != "replicate")
+        for region in by_start.get(i, ()):
+            offer(i, region.stop, *_region_picks(graph, region, ctx, cache), True)
+    # with tp > 1 some layer must split (else every tp rank repeats all the work): the best chain that splits
+    k = 1 if ctx.tp > 1 and best[n][1][0] < math.inf else 0
+    picks, at = [], n
+    while at > 0:
+        at, k, chunk = back[at][k]
+        picks[:0] = chunk
+    cache[key] = Chain(tuple(o for o, _, _ in picks), tuple(m for _, m, _ in picks), tuple(lay for _, _, lay in picks))
+    return cache[key]
 
 
-def _segment(graph: ModelGraph, layers, ctx: MeshContext, cache: dict) -> tuple[tuple[Option, float], ...]:
-    """(option, redistribution paid before the layer) per layer of a segment from layout R to R."""
-    best: dict[str, tuple[float, float, tuple]] = {R: (0.0, 0.0, ())}
-    last = layers[-1].index
-    for layer in layers:
-        i = layer.index
-        chained = i > 0 and (i - 1) in layer.inputs and i != layers[0].index
-        options = _options(layer, graph, ctx, layer.inputs == (i - 1,), cache)
-        nxt: dict[str, tuple[float, float, tuple]] = {}
-        for k, opt in enumerate(options):
-            for layout, (t, mem, path) in best.items():
-                move = 0.0
-                if chained and layout != opt.layout_in:
-                    move = transition(layout, opt.layout_in, opt.in_bytes, ctx.tp_group)
-                elif not chained and opt.layout_in != R and layer.kind != "embedding":
-                    move = transition(R, opt.layout_in, opt.in_bytes, ctx.tp_group)
-                out, fix = opt.layout_out, 0.0
-                if i == last and out != R:
-                    fix, out = transition(out, R, opt.out_bytes, ctx.tp_group), R
-                value = (t + move + fix + opt.time, mem + opt.params + opt.saved)
-                if math.isinf(value[0]):
-                    continue
-                if out not in nxt or value < nxt[out][:2]:
-                    nxt[out] = (*value, (path, opt, move + fix))
-        best = nxt
-    path, picks = best[R][2], []
-    while path:
-        path, opt, paid = path
-        picks.append((opt, paid))
-    return tuple(reversed(picks))
+def _regions(graph, ctx: MeshContext, cache: dict) -> list:
+    key = ("regions", ctx.tp, math.prod(ctx.grid) > 1, ctx.sharded)
+    if key not in cache:
+        cache[key] = rules.regions(graph, ctx.tp, spatial=key[2], sharded=ctx.sharded) if ctx.tp > 1 else []
+    return cache[key]
+
+
+def _standalone(graph, layer, ctx: MeshContext, cache: dict) -> list[tuple[str, tuple[Option, float, str]]]:
+    """``(strategy, (option, redistribution, layout after))`` of each way the layer runs whole at its edges."""
+    options = {o.strategy: o for o in _options(layer, graph, ctx, cache)}
+    names = rules.standalone(layer, ctx.tp, spatial=math.prod(ctx.grid) > 1, sharded=ctx.sharded)
+    return [(name, (options[name], redistribution(layer, options[name], name == "column",
+                                                  name == "row" and layer.kind != "embedding", ctx.tp_group), R))
+            for name in names]
+
+
+def _region_picks(graph, region, ctx: MeshContext, cache: dict) -> tuple[tuple, float, float]:
+    """The members' ``(option, redistribution, layout after)``, and their time and memory."""
+    key = ("region", ctx, tuple(graph.layers[i].signature for i in region.layers), region.strategies)
+    if key not in cache:
+        picks = []
+        for i, name in zip(region.layers, region.strategies):
+            layer = graph.layers[i]
+            option = next(o for o in _options(layer, graph, ctx, cache) if o.strategy == name)
+            picks.append((option, redistribution(layer, option, False, False, ctx.tp_group), R if name == "row" else S))
+        cache[key] = (tuple(picks), sum(o.time + m for o, m, _ in picks), sum(o.params + o.saved for o, _, _ in picks))
+    return cache[key]
+
+
+def _tied_choices(graph, ctx: MeshContext) -> list[dict[int, tuple[str, ...]]]:
+    """Each way to split the layers that share a parameter alike (``rules.weight_split``): for every shared
+    parameter, its users all whole, all by rows or all by columns, where each user can."""
+    per_group = []
+    for names in graph.shared:
+        users = [layer for layer in graph.layers if set(layer.params) & set(names)]
+        if len(users) < 2:
+            continue  # one layer (a module registered twice): nothing to split alike
+        ways = []
+        for split in ("whole", "dim0", "dim1"):
+            way = {layer.index: tuple(s for s in strategies(layer, ctx) if rules.weight_split(layer, s) == split)
+                   for layer in users}
+            if all(way.values()):
+                ways.append(way)
+        per_group.append(ways)
+    return [{k: v for way in combo for k, v in way.items()} for combo in itertools.product(*per_group)]
 
 
 _ANY = cost.Group(0, None)  # the norm group in the cache key of a layer that does not use it
 
 
-def _options(layer, graph, ctx, chain_only, cache: dict) -> tuple[Option, ...]:
+def _options(layer, graph, ctx, cache: dict) -> tuple[Option, ...]:
     """Options of a layer, priced once per signature (the 96 blocks of a GPT share theirs), for every
     sharding level but for convolutions (only their options depend on it) and for every dp degree but
     for batch norms (only they talk over dp)."""
@@ -197,16 +252,10 @@ def _options(layer, graph, ctx, chain_only, cache: dict) -> tuple[Option, ...]:
         cache[ctx, uses] = dataclasses.replace(ctx, sharded=ctx.sharded and uses[0],
                                                norm_group=ctx.norm_group if uses[1] else _ANY)
     ctx = cache[ctx, uses]
-    key = (layer.signature, ctx, chain_only)
+    key = (layer.signature, ctx)
     if key not in cache:
-        cache[key] = layer_options(layer, graph, ctx, chain_only)
+        cache[key] = layer_options(layer, graph, ctx)
     return cache[key]
-
-
-def _assemble(picks, forced) -> Chain:
-    options = tuple(opt for opt, _ in picks)
-    layouts = tuple(R if i in forced else opt.layout_out for i, opt in enumerate(options))
-    return Chain(options, tuple(paid for _, paid in picks), layouts)
 
 
 # --- whole candidates ------------------------------------------------------------------------------
@@ -425,7 +474,7 @@ def _layer_floor(graph, layer, cluster, c, mesh, micro_batch, cache) -> float:
     that many samples per replica is faster (its micro-batches, whatever their count, pass the layer)."""
     dp, grid, tp, _ = mesh
     ctx = _context(cluster, c, dp, grid, tp, micro_batch)
-    return min(o.time for o in _options(layer, graph, ctx, layer.inputs == (layer.index - 1,), cache))
+    return min(o.time for o in _options(layer, graph, ctx, cache))
 
 
 def _floor(graph, cluster, c, mesh, micro_batch, cache) -> _Floor:
@@ -434,8 +483,7 @@ def _floor(graph, cluster, c, mesh, micro_batch, cache) -> _Floor:
     if key not in cache:
         chain, _ = _chain(graph, cluster, c, mesh, micro_batch, 0, cache)
         ctx = _context(cluster, c, dp, grid, tp, micro_batch)
-        kinds = [(_options(layer, graph, ctx, chained, cache), count)
-                 for layer, chained, count in _distinct(graph, cache)]
+        kinds = [(_options(layer, graph, ctx, cache), count) for layer, count in _distinct(graph, cache)]
         cache[key] = _Floor(sum(chain.options[i].time + chain.redistribution[i] for i in range(len(chain.options))),
                             max(min(o.time for o in opts) for opts, _ in kinds),
                             sum(count * min(o.forward for o in opts) for opts, count in kinds))
@@ -443,14 +491,13 @@ def _floor(graph, cluster, c, mesh, micro_batch, cache) -> _Floor:
 
 
 def _distinct(graph, cache) -> list[tuple]:
-    """``(layer, chained, count)`` for each kind of layer of the graph (one signature and input), priced alike."""
+    """``(layer, count)`` for each kind of layer of the graph (one signature), priced alike."""
     if "distinct" not in cache:
         kinds: dict = {}
         for layer in graph.layers:
-            chained = layer.inputs == (layer.index - 1,)
-            first, count = kinds.get((layer.signature, chained), (layer, 0))
-            kinds[(layer.signature, chained)] = (first, count + 1)
-        cache["distinct"] = [(layer, chained, count) for (_, chained), (layer, count) in kinds.items()]
+            first, count = kinds.get(layer.signature, (layer, 0))
+            kinds[layer.signature] = (first, count + 1)
+        cache["distinct"] = list(kinds.values())
     return cache["distinct"]
 
 
@@ -469,6 +516,9 @@ def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) ->
         if bound >= beat:  # not worth solving the sharded chain
             return Candidate(mesh, m, z, ckpt, bound=bound)
     chain, units = _chain(graph, cluster, c, mesh, micro_batch, z, cache)
+    idle = rules.idle_tp_refusal(graph, tp, [o.strategy for o in chain.options])
+    if idle:
+        return Candidate(mesh, m, z, ckpt, reason=f"{idle} (here no split saves more time than it costs)")
     if len(units) < pp:
         return Candidate(mesh, m, z, ckpt, reason=f"pp={pp}: the model has only {len(units)} places to start a "
                                                   "stage")

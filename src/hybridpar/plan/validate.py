@@ -3,73 +3,46 @@ and for one the search found. Every error names the layer, stage or degree at fa
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from hybridpar.errors import PlanError
+from hybridpar.plan import rules
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.layers import R, check_grid, splittable, transition
+from hybridpar.plan.layers import R, S, check_grid, redistribution
 from hybridpar.plan.search import Chain, Constraints, _context, _options, legal_starts, prediction_of, price
-from hybridpar.plan.types import SCHEDULES, SHARDING_NAMES, TP_STRATEGIES, Plan
+from hybridpar.plan.types import SCHEDULES, SHARDING_NAMES, Plan
 
 
 def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | None = None) -> Chain:
-    """The chain that runs each layer with ``strategies[name]`` (default ``replicate``), with the
-    redistribution between layers that those strategies need."""
+    """The chain that runs each layer with ``strategies[name]`` (default ``replicate``), with the layout changes
+    between layers that those strategies need; a ``PlanError`` if the rules refuse them (``rules.check_assignment``,
+    ``rules.check_shared``): the runtime's own checks."""
     cache = {} if cache is None else cache
-    forced = graph.forced_replicated
+    split = any(s != "replicate" for s in strategies.values())
+    if split and ctx.tp == 1:
+        raise PlanError(f"the plan splits layers over tp ({strategies}) but tp=1; set tp, or drop layers")
+    found = rules.check_assignment(graph, strategies, ctx.tp, spatial=math.prod(ctx.grid) > 1,
+                                   sharded=ctx.sharded) if split else {}
+    rules.check_shared(graph, strategies)
     options, paid, layouts = [], [], []
-    layout = R
     for i, layer in enumerate(graph.layers):
         wanted = strategies.get(layer.name, "replicate")
-        choices = {o.strategy: o for o in _options(layer, graph, ctx, layer.inputs == (i - 1,), cache)}
-        if wanted not in choices:
-            raise PlanError(_illegal(layer, wanted, ctx, sorted(choices)))
-        opt = choices[wanted]
-        chained = i > 0 and (i - 1) in layer.inputs
-        move = 0.0
-        if chained and layout != opt.layout_in:
-            move = transition(layout, opt.layout_in, opt.in_bytes, ctx.tp_group)
-        elif not chained and opt.layout_in != R and layer.kind != "embedding":
-            move = transition(R, opt.layout_in, opt.in_bytes, ctx.tp_group)
-        layout = opt.layout_out
-        if i in forced and layout != R:
-            move += transition(layout, R, opt.out_bytes, ctx.tp_group)
-            layout = R
-        options.append(opt)
-        paid.append(move)
-        layouts.append(layout)
+        option = next(o for o in _options(layer, graph, ctx, cache) if o.strategy == wanted)
+        gather, sliced, out = found.get(i, (False, False, None))
+        options.append(option)
+        paid.append(redistribution(layer, option, gather, sliced, ctx.tp_group))
+        layouts.append(R if out is None else S)
     return Chain(tuple(options), tuple(paid), tuple(layouts))
-
-
-def _illegal(layer, wanted: str, ctx, allowed: list[str]) -> str:
-    tp = ctx.tp
-    if wanted not in TP_STRATEGIES:
-        return f"layer {layer.name!r}: tp strategy {wanted!r} is not one of {', '.join(TP_STRATEGIES)}"
-    if not splittable(layer, ctx):
-        why = (f"a spatially split model (spatial={list(ctx.grid)}) keeps its dense layers whole"
-               if layer.kind != "conv" else "FSDP / ZeRO (sharding > 0) does not run channel-split convolutions; "
-               "use sharding 0")
-        return f"layer {layer.name!r} ({layer.op}) cannot run {wanted!r}: {why}, or replicate the layer"
-    why = {
-        "column": f"its {layer.channels[1]} output features / channels do not split into {tp}",
-        "row": f"its {layer.channels[0]} input features / channels do not split into {tp}",
-        "shard": "it cannot work on a feature-split activation" + (
-            f" ({layer.heads} heads do not split into {tp})" if layer.heads else ""),
-    }.get(wanted, "")
-    return (f"layer {layer.name!r} ({layer.op}) cannot run {wanted!r} with tp={tp}"
-            f"{': ' + why if why else ''}; use one of {', '.join(allowed)}")
 
 
 def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_halo: bool = True) -> Plan:
     """``plan`` with its prediction, if it fits ``graph`` on ``cluster``; a ``PlanError`` naming what does not."""
     _check_degrees(plan, cluster)
     check_grid(graph, plan.spatial if graph.spatial_ndim else ())
-    names = {layer.name for layer in graph.layers}
     for name, _ in plan.layers:
-        if name not in names:
-            raise PlanError(f"plan names layer {name!r}, which the model does not have; the layers are "
-                            f"{some(sorted(names))}")
+        graph.index_of(name)
     c = Constraints(global_batch=plan.global_batch, dtype=plan.dtype, optimizer=plan.optimizer,
                     overlap_halo=overlap_halo)
     mesh = (plan.dp, plan.spatial, plan.tp, plan.pp)

@@ -9,7 +9,6 @@ raises the same ``ValueError`` on every rank, before any halo is exchanged.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +17,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
+from hybridpar import meta
 from hybridpar.errors import GeometryError, MeshError, UnsupportedModuleError
+from hybridpar.plan import rules
 from hybridpar.spatial import checks
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED
 from hybridpar.spatial.collectives import gather_slabs
@@ -48,8 +49,9 @@ class Trace:
 class SpatialContext:
     """Shared by the converted layers of one model: the group, the grid and the traced geometry."""
 
-    def __init__(self, twin: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup, overlap: bool | None):
-        self.twin = twin
+    def __init__(self, module: nn.Module, comm: SpatialComm, norm_group: dist.ProcessGroup, overlap: bool | None):
+        self.values = meta.Values()  # of the twin's small buffers (a batch norm's step counter) and inputs
+        self.twin = meta.meta_copy(module, self.values)  # the model on the meta device: the trace touches no weight
         self.overlap = overlap
         self.comm = comm
         self.grid = comm.grid
@@ -108,13 +110,23 @@ class SpatialContext:
         self.model_input = x
         hooks = self._path_hooks(self.twin)
         try:
-            with checks.Checker(self.state):
-                self.twin(x, *tree_map(_meta_copy, tuple(args[1:])), **tree_map(_meta_copy, kwargs))
+            with self.values, checks.Checker(self.state):
+                self.twin(x, *tree_map(self._meta_arg, tuple(args[1:])), **tree_map(self._meta_arg, kwargs))
             return self.current
         finally:
             for h in hooks:
                 h.remove()
             self.state, self.model_input = None, None
+
+    def _meta_arg(self, t):
+        """An argument of the model's forward besides its input, on the meta device for the trace (its value kept
+        where it is small)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        copy = torch.empty_like(t, device="meta")
+        if t.numel() <= meta.VALUE_LIMIT and not t.is_meta:
+            self.values.set(copy, t.detach().cpu())
+        return copy
 
     def _path_hooks(self, root: nn.Module):
         def enter(module, args):
@@ -185,25 +197,6 @@ class SpatialContext:
         return out
 
 
-def _meta_copy(t):
-    """Tensors on the meta device for the trace; scalars (``num_batches_tracked``) stay real copies."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    return t.detach().clone() if t.numel() <= 1 else torch.empty_like(t, device="meta")
-
-
-def _meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory), so the
-    trace never touches the live model, its hooks or wrappers (DDP, FSDP2)."""
-    memo = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        meta = _meta_copy(t)
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    for m in module.modules():  # process groups (of channel-split convs) are shared, not copied
-        memo.update((id(v), v) for v in vars(m).values() if isinstance(v, dist.ProcessGroup))
-    return copy.deepcopy(module, memo)
-
-
 def global_shape(x: torch.Tensor, comm: SpatialComm, what: str) -> tuple[int, ...]:
     """The global shape of a tensor whose slabs the spatial group holds; checked on every rank alike."""
     grid = comm.grid
@@ -244,11 +237,9 @@ def _convert(module: nn.Module, ctx: SpatialContext) -> None:
 
 def _layer_kind(cls: type) -> type | None:
     """The spatial version of ``cls``: of a supported layer, or of a subclass that keeps its ``forward``
-    (one that overrides it is traced and checked function by function instead)."""
-    for base in cls.__mro__:
-        if base in LAYERS:
-            return LAYERS[base] if cls.forward is base.forward else None
-    return None
+    (one that overrides it is traced and checked function by function instead): ``rules.spatial_base``."""
+    base = rules.spatial_base(cls)
+    return LAYERS[base] if base is not None else None
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -280,7 +271,7 @@ def parallelize(
     comm = _comm(mesh, grid)
     norm = batch_norm_mesh or mesh
     norm_group = norm.get_group() if norm.ndim == 1 else flat_group(norm, tuple(norm.mesh_dim_names))
-    ctx = SpatialContext(_meta_twin(module), comm, norm_group, overlap)
+    ctx = SpatialContext(module, comm, norm_group, overlap)
     _convert(module, ctx)
     _convert(ctx.twin, ctx)
     module.register_forward_pre_hook(ctx.before_forward, with_kwargs=True)

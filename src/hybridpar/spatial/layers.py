@@ -12,6 +12,7 @@ the original, as FSDP2 does); only ``forward`` changes. Each kind provides
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridpar.errors import UnsupportedModuleError
+from hybridpar.plan import rules
 from hybridpar.spatial import collectives
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED
 from hybridpar.spatial.geometry import TransposedWindow, Window, plan_exchange, split_bounds
@@ -489,19 +491,10 @@ class SpatialDropout(SpatialLayer):
         return x * mask / keep if keep > 0 else x * 0
 
 
-LAYERS: dict[type, type] = {
-    nn.Conv1d: SpatialConv, nn.Conv2d: SpatialConv, nn.Conv3d: SpatialConv,
-    nn.ConvTranspose1d: SpatialConvTranspose, nn.ConvTranspose2d: SpatialConvTranspose,
-    nn.ConvTranspose3d: SpatialConvTranspose,
-    nn.MaxPool1d: SpatialMaxPool, nn.MaxPool2d: SpatialMaxPool, nn.MaxPool3d: SpatialMaxPool,
-    nn.AvgPool1d: SpatialAvgPool, nn.AvgPool2d: SpatialAvgPool, nn.AvgPool3d: SpatialAvgPool,
-    nn.AdaptiveAvgPool1d: SpatialGlobalPool, nn.AdaptiveAvgPool2d: SpatialGlobalPool,
-    nn.AdaptiveAvgPool3d: SpatialGlobalPool, nn.AdaptiveMaxPool1d: SpatialGlobalPool,
-    nn.AdaptiveMaxPool2d: SpatialGlobalPool, nn.AdaptiveMaxPool3d: SpatialGlobalPool,
-    nn.BatchNorm1d: SpatialBatchNorm, nn.BatchNorm2d: SpatialBatchNorm, nn.BatchNorm3d: SpatialBatchNorm,
-    nn.InstanceNorm1d: SpatialInstanceNorm, nn.InstanceNorm2d: SpatialInstanceNorm,
-    nn.InstanceNorm3d: SpatialInstanceNorm, nn.GroupNorm: SpatialGroupNorm,
-    nn.Upsample: SpatialUpsample, nn.Flatten: SpatialFlatten,
-    nn.Dropout: SpatialDropout, nn.Dropout1d: SpatialDropout, nn.Dropout2d: SpatialDropout,
-    nn.Dropout3d: SpatialDropout,
-}
+SPATIAL_CLASSES = {"Conv": SpatialConv, "ConvTranspose": SpatialConvTranspose, "MaxPool": SpatialMaxPool,
+                   "AvgPool": SpatialAvgPool, "AdaptiveAvgPool": SpatialGlobalPool, "AdaptiveMaxPool": SpatialGlobalPool,
+                   "BatchNorm": SpatialBatchNorm, "InstanceNorm": SpatialInstanceNorm, "GroupNorm": SpatialGroupNorm,
+                   "Upsample": SpatialUpsample, "Flatten": SpatialFlatten, "Dropout": SpatialDropout}
+# the torch.nn classes the rules name (``hybridpar.plan.rules.SPATIAL_MODULES``), each with its spatial version
+LAYERS: dict[type, type] = {getattr(nn, name): SPATIAL_CLASSES[re.sub(r"[123]d$", "", name)]
+                            for name in sorted(rules.SPATIAL_MODULES)}

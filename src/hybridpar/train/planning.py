@@ -42,6 +42,10 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -
         plan = replace(plan, model=config.model.name)
     else:
         plan = mesh_plan(config, tuple(example_input.shape), world_size)
+        try:
+            check_grid(graph, plan.spatial if graph.spatial_ndim else ())
+        except PlanError as err:
+            raise PlanError(f"mesh.spatial = {list(config.mesh.spatial)}: {err}") from None
     try:
         check_plan(model, plan, example_input, graph)
     except PlanError as err:

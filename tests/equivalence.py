@@ -1,0 +1,56 @@
+"""One step of a ``ParallelModel`` against one process from the same weights and the same global batch (float64):
+the loss, every gradient via ``gather_gradients()``, the parameters after one Adam step via
+``full_state_dict()``; shared by the tests of ``hybridpar.parallelize`` on our models and on other libraries'."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import harness
+from hybridpar.mesh import AXES
+
+# float64: the parallel run sums the same products in other orders (split matmuls, micro-batch means, all-reduces)
+TOL = dict(rtol=1e-10, atol=1e-12)
+# Adam's first step moves a parameter by lr * g / (|g| + eps), which near g = 0 amplifies a gradient's rounding by
+# up to lr / eps: gradients that cancel to exactly 0 in exact arithmetic (a key bias; a conv bias before an instance
+# norm, whose rounding in a 32^3 U-Net reaches 2e-15) would move by +-lr either way with PyTorch's eps = 1e-8.
+# With eps = 1e-6 (STEP_EPS) the amplification is 1e4, so such parameters agree to ~1e-11 after the step, while
+# every gradient above 1e-6 still takes a full Adam step; a wrong shard or a missed step moves a parameter by ~lr
+STEP_TOL = dict(rtol=1e-10, atol=1e-10)
+STEP_EPS = 1e-6
+
+
+def plan_mesh(plan):
+    return harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
+
+
+def replica_slice(parallel, batch: int) -> slice:
+    per = batch // parallel.plan.dp
+    replica = parallel.mesh["dp"].get_local_rank()
+    return slice(replica * per, (replica + 1) * per)
+
+
+def check_step(parallel, reference, loss: torch.Tensor, expected: torch.Tensor) -> float:
+    """The parallel step against one process's: the loss, every gradient, the parameters after one Adam
+    step; and that the plan really split the parameters it says it splits."""
+    plan = parallel.plan
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in parallel.parameters())
+    whole = sum(p.numel() for p in reference.parameters())
+    assert local < whole if plan.tp * plan.pp > 1 or plan.sharding else local == whole  # really split
+    expected.backward()
+    mean = loss.clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / dist.get_world_size(), expected.detach(), **TOL)  # replicas' mean loss
+    grads = parallel.gather_gradients()
+    assert set(grads) == {name for name, _ in reference.named_parameters()}
+    for name, param in reference.named_parameters():  # zeros for a parameter the forward does not use
+        expected_grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(grads[name], expected_grad, **TOL, msg=f"gradient of {name}")
+    for params in (parallel.parameters(), reference.parameters()):
+        torch.optim.Adam(params, lr=1e-2, eps=STEP_EPS).step()
+    state = parallel.full_state_dict()
+    assert set(state) == set(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, **STEP_TOL, msg=f"{name} after one Adam step")
+    return loss.item()
