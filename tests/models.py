@@ -84,3 +84,8 @@ class Attention(nn.Module):
             q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def tiny_token_model() -> nn.Module:
+    """Token ids (B, T) -> logits: an embedding, a Linear, a head (a factory for ``hybridpar plan --model``)."""
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 32))

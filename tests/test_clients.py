@@ -81,7 +81,13 @@ def language_equivalence(name: str, fields: dict) -> float:
     return check_step(parallel, reference, loss, lm_loss(reference(idx).logits, targets))
 
 
-@pytest.mark.parametrize("plan", LANGUAGE_PLANS)
+def _by_world(plans: dict) -> list:
+    """The plans as test parameters, those of 4 ranks in the slow set."""
+    return [pytest.param(*(key if isinstance(key, tuple) else (key,)), marks=pytest.mark.slow) if world == 4
+            else key for key, (world, _) in plans.items()]
+
+
+@pytest.mark.parametrize("plan", _by_world(LANGUAGE_PLANS))
 @pytest.mark.parametrize("name", LANGUAGE)
 def test_language_models(dist2, dist4, name, plan):
     world, fields = LANGUAGE_PLANS[plan]
@@ -167,7 +173,7 @@ def test_unetr_refuses_a_spatial_split_before_any_communication(dist2):
     assert "use data, tensor or pipeline parallelism" in first
 
 
-@pytest.mark.parametrize("name, plan", VOLUME_PLANS)
+@pytest.mark.parametrize("name, plan", _by_world(VOLUME_PLANS))
 def test_volume_networks(dist2, dist4, name, plan):
     world, fields = VOLUME_PLANS[name, plan]
     (dist2 if world == 2 else dist4).run(volume_equivalence, name=name, fields=fields)
@@ -207,7 +213,8 @@ def searched(name: str, devices: int, top: int = 3, **constraints):
     return model, x, search_plans(model, x, preset("a100-80").with_devices(devices), top=top, **constraints).plans
 
 
-@pytest.mark.parametrize("name", CATALOGUE)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("unetr", "basicunet") else n
+                                  for n in CATALOGUE])
 def test_the_plans_the_search_proposes_pass_the_runtimes_checks(name):
     """For 2, 4 and 8 devices, the search's three best plans pass ``check_plan`` (what ``parallelize`` checks
     before any communication): one set of rules for both."""

@@ -304,6 +304,7 @@ def test_calibrate_measures_with_the_allocator_of_a_training_worker():
     assert faults["fresh"] > pages // 2 and faults["raised"] < pages // 16, faults
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, capsys):
     out = tmp_path / "tmp" / "cluster.toml"

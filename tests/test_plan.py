@@ -292,7 +292,7 @@ def _brute_force_chain(graph, ctx):
     return best, legal
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "attention", "gpt"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "attention", pytest.param("gpt", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_per_layer_strategies_are_exact(name, tp):
     models = {

@@ -71,3 +71,17 @@ def test_models_are_built_on_the_meta_device():
     for name, shape in (("cosmoflow", (1, 4, 32, 32, 32)), ("unet3d", (1, 1, 32, 32, 32)), ("gpt2-small", (1, 64))):
         model, example = build_for_planning(name, shape)
         assert all(p.is_meta for p in model.parameters()) and example.is_meta and tuple(example.shape) == shape
+
+
+def test_a_token_model_from_a_factory_is_planned(capsys):
+    """A language model gets token ids (its first module is an embedding) without being told; given floats,
+    the error says which dtype it got and how to choose another."""
+    argv = ["plan", "--model", "models:tiny_token_model", "--input", "8x16", "--cluster", "a100-80", "--devices", "4",
+            "--format", "json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["plans"]
+    assert main(argv + ["--input-dtype", "int64"]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--input-dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "dtype float32" in err and "--input-dtype" in err and "Traceback" not in err

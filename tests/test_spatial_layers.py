@@ -163,6 +163,7 @@ def test_1d(dist2, dist4, spec):
 @pytest.mark.parametrize("spec", [s for s in SPECS_3D if s[0] in ("Conv3d", "ConvTranspose3d", "MaxPool3d",
                                                                    "AvgPool3d", "Upsample", "BatchNorm3d")][::2],
                          ids=_id)
+@pytest.mark.slow
 def test_3d_grid_eight_ranks(dist8, spec):
     dist8.run(cases.check_equivalence, spec=spec, shape=(2, 2, 9, 8, 7), grid=(2, 2, 2))
 

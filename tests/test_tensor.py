@@ -134,6 +134,7 @@ def test_convolutions_split_by_channels(dist2):
     dist2.run(conv_pair)
 
 
+@pytest.mark.slow  # 8 ranks (and their start) on 2 cores
 def test_plans_that_do_not_match_the_model_are_refused_before_any_split(dist8):
     first, *others = dist8.run(refusals)
     assert all(o == first for o in others)

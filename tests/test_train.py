@@ -20,7 +20,7 @@ from hybridpar.train import checkpoint, metrics
 from hybridpar.train.config import load
 from hybridpar.train.loop import build_model, datasets
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # each test trains through the CLI in fresh workers
 
 COSMO = """
 run_dir = "{run}"

@@ -20,6 +20,8 @@ from hybridpar.plan.types import Plan
 from hybridpar.train import load, metrics
 from hybridpar.train.loop import check
 
+pytestmark = pytest.mark.slow  # each test trains through the CLI in fresh worker processes
+
 MODEL = dict(vocab_size=32, seq_len=16, num_layers=4, num_heads=4, d_model=32)
 GPT = """run_dir = "{run}"
 seed = 0

@@ -622,17 +622,35 @@ def _split_operands(layer) -> list:
 
 
 def _merge(cones: list[dict[int, str]]) -> list[dict[int, str]]:
-    """Cones that share a layer in the same role are one region (two rows fed by one column)."""
-    merged: list[dict[int, str]] = []
-    for cone in cones:
-        cone = dict(cone)
-        for other in [m for m in merged if any(m.get(i) == s for i, s in cone.items())]:
-            if any(other.get(i, s) != s for i, s in cone.items()):
-                continue
-            cone.update(other)
-            merged.remove(other)
-        merged.append(cone)
-    return merged
+    """Cones that share a layer in the same role are one region (two rows fed by one column); a group whose
+    cones give one layer two roles stays apart (alternatives: a conv that is one pair's row and the next's
+    column)."""
+    parent = list(range(len(cones)))
+
+    def find(c: int) -> int:
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+
+    owner: dict[tuple[int, str], int] = {}
+    for c, cone in enumerate(cones):
+        for item in cone.items():
+            if item in owner:
+                parent[find(c)] = find(owner[item])
+            else:
+                owner[item] = c
+    groups: dict[int, list[int]] = {}
+    for c in range(len(cones)):
+        groups.setdefault(find(c), []).append(c)
+    out = []
+    for members in groups.values():
+        merged: dict[int, str] = {}
+        for c in members:
+            merged.update(cones[c])
+        roles = {(i, s) for c in members for i, s in cones[c].items()}
+        out.extend([merged] if len(roles) == len(merged) else [cones[c] for c in members])
+    return out
 
 
 def standalone(layer, tp: int, *, spatial: bool = False, sharded: bool = False) -> tuple[str, ...]:

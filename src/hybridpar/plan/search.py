@@ -161,36 +161,93 @@ def best_chain(graph: ModelGraph, ctx: MeshContext, cache: dict | None = None, a
     key = ("chain", ctx, None if allowed is None else tuple(sorted((i, tuple(sorted(s))) for i, s in allowed.items())))
     if key in cache:
         return cache[key]
-    n = len(graph.layers)
-    by_start: dict[int, list] = {}
-    for region in _regions(graph, ctx, cache):
-        if allowed is None or all(s in allowed.get(i, (s,)) for i, s in zip(region.layers, region.strategies)):
-            by_start.setdefault(region.start, []).append(region)
-    # best[i][k]: least (time, memory) of layers [0, i) with (k = 1) or without (k = 0) a split layer among them
-    best = [[(0.0, 0.0), (math.inf, math.inf)]] + [[(math.inf, math.inf)] * 2 for _ in range(n)]
-    back: list = [[None, None] for _ in range(n + 1)]
-
-    def offer(start: int, stop: int, picks: tuple, time: float, memory: float, splits: bool) -> None:
-        for k in (0, 1):
-            value = (best[start][k][0] + time, best[start][k][1] + memory)
-            to = k or splits
-            if value < best[stop][to]:
-                best[stop][to], back[stop][to] = value, (start, k, picks)
-
-    for i, layer in enumerate(graph.layers):
-        for name, pick in _standalone(graph, layer, ctx, cache):
-            if allowed is None or name in allowed.get(i, (name,)):
-                offer(i, i + 1, (pick,), pick[0].time + pick[1], pick[0].params + pick[0].saved, name != "replicate")
-        for region in by_start.get(i, ()):
-            offer(i, region.stop, *_region_picks(graph, region, ctx, cache), True)
-    # with tp > 1 some layer must split (else every tp rank repeats all the work): the best chain that splits
-    k = 1 if ctx.tp > 1 and best[n][1][0] < math.inf else 0
-    picks, at = [], n
-    while at > 0:
-        at, k, chunk = back[at][k]
-        picks[:0] = chunk
+    regions = [r for r in _regions(graph, ctx, cache)
+               if allowed is None or all(s in allowed.get(i, (s,)) for i, s in zip(r.layers, r.strategies))]
+    # the layers split into segments that no region crosses, each kind of segment (one sequence of signatures,
+    # as the 96 blocks of a GPT repeat theirs) solved once without and with a split layer among them; with
+    # tp > 1 some layer must split (else every tp rank repeats all the work), in the segment where it costs least
+    segments_key = ("segments", ctx.tp, math.prod(ctx.grid) > 1, ctx.sharded, key[2])
+    if segments_key not in cache:
+        cache[segments_key] = _segments(graph, regions, allowed)
+    segments, kinds = cache[segments_key]
+    solved = {kind: _segment(graph, ctx, cache, *first) for kind, first in kinds.items()}
+    plain = {kind: pair[0][0] <= pair[1][0] for kind, pair in solved.items()}
+    forced = None
+    if ctx.tp > 1 and all(plain.values()):  # no segment splits by itself: force the split that costs least
+        extra = {kind: (pair[1][0][0] - pair[0][0][0], pair[1][0][1] - pair[0][0][1]) for kind, pair in solved.items()}
+        kind = min(extra, key=lambda k: extra[k])
+        forced = kind if extra[kind][0] < math.inf else None
+    picks = []
+    for kind in segments:
+        picks.extend(solved[kind][0 if plain[kind] and kind != forced else 1][1])
+        forced = None if kind == forced else forced
     cache[key] = Chain(tuple(o for o, _, _ in picks), tuple(m for _, m, _ in picks), tuple(lay for _, _, lay in picks))
     return cache[key]
+
+
+def _segments(graph, regions: list, allowed) -> tuple[list, dict]:
+    """The kind of each run of layers between places that no region crosses, in order, and for each kind the
+    arguments of ``_segment`` for its first run (a kind: its layers' signatures, its regions, what ``allowed``
+    leaves its layers)."""
+    n = len(graph.layers)
+    crossed = [0] * (n + 1)
+    for region in regions:
+        for p in range(region.start + 1, region.stop):
+            crossed[p] = 1
+    inside: dict[int, list] = {}
+    for region in regions:
+        inside.setdefault(region.start, []).append(region)
+    bounds = [p for p in range(n + 1) if not crossed[p]]
+    order, kinds = [], {}
+    for a, b in zip(bounds, bounds[1:]):
+        within = [r for p in range(a, b) for r in inside.get(p, ())]
+        kind = (tuple(layer.signature for layer in graph.layers[a:b]),
+                tuple((r.start - a, r.stop - a, r.strategies) for r in within),
+                None if allowed is None else tuple(allowed.get(i) for i in range(a, b)))
+        kinds.setdefault(kind, (a, b, within, allowed))
+        order.append(kind)
+    return order, kinds
+
+
+def _segment(graph, ctx: MeshContext, cache: dict, start: int, stop: int, regions: list, allowed) -> list:
+    """The best ``((time, memory), picks)`` of layers ``[start, stop)`` without (``[0]``) and with (``[1]``) a
+    split layer among them: dynamic programming over each layer alone or a region from it."""
+    layers = graph.layers[start:stop]
+    limits = None if allowed is None else tuple(allowed.get(i, None) for i in range(start, stop))
+    key = ("segment", ctx, tuple(layer.signature for layer in layers),
+           tuple((r.start - start, r.stop - start, r.strategies) for r in regions), limits)
+    if key in cache:
+        return cache[key]
+    n = stop - start
+    inf = ((math.inf, math.inf), None)
+    best = [[((0.0, 0.0), None), inf]] + [[inf, inf] for _ in range(n)]
+    by_start: dict[int, list] = {}
+    for region in regions:
+        by_start.setdefault(region.start - start, []).append(region)
+
+    def offer(a: int, b: int, picks: tuple, time: float, memory: float, splits: bool) -> None:
+        for k in (0, 1):
+            (t, m), _ = best[a][k]
+            value = (t + time, m + memory)
+            to = k or splits
+            if value < best[b][to][0]:
+                best[b][to] = (value, (a, k, picks))
+
+    for j, layer in enumerate(layers):
+        for name, pick in _standalone(graph, layer, ctx, cache):
+            if limits is None or limits[j] is None or name in limits[j]:
+                offer(j, j + 1, (pick,), pick[0].time + pick[1], pick[0].params + pick[0].saved, name != "replicate")
+        for region in by_start.get(j, ()):
+            offer(j, region.stop - start, *_region_picks(graph, region, ctx, cache), True)
+    out = []
+    for k in (0, 1):
+        value, at, state, chunks = best[n][k][0], n, k, []
+        while at > 0 and value[0] < math.inf:
+            at, state, picks = best[at][state][1]
+            chunks.append(picks)
+        out.append((value, tuple(p for chunk in reversed(chunks) for p in chunk)))
+    cache[key] = out
+    return out
 
 
 def _regions(graph, ctx: MeshContext, cache: dict) -> list:
@@ -201,12 +258,17 @@ def _regions(graph, ctx: MeshContext, cache: dict) -> list:
 
 
 def _standalone(graph, layer, ctx: MeshContext, cache: dict) -> list[tuple[str, tuple[Option, float, str]]]:
-    """``(strategy, (option, redistribution, layout after))`` of each way the layer runs whole at its edges."""
-    options = {o.strategy: o for o in _options(layer, graph, ctx, cache)}
-    names = rules.standalone(layer, ctx.tp, spatial=math.prod(ctx.grid) > 1, sharded=ctx.sharded)
-    return [(name, (options[name], redistribution(layer, options[name], name == "column",
-                                                  name == "row" and layer.kind != "embedding", ctx.tp_group), R))
-            for name in names]
+    """``(strategy, (option, redistribution, layout after))`` of each way the layer runs whole at its edges
+    (priced once per signature, as ``_options``)."""
+    key = ("standalone", layer.signature, ctx)
+    if key not in cache:
+        options = {o.strategy: o for o in _options(layer, graph, ctx, cache)}
+        names = rules.standalone(layer, ctx.tp, spatial=math.prod(ctx.grid) > 1, sharded=ctx.sharded)
+        cache[key] = [(name, (options[name], redistribution(layer, options[name], name == "column",
+                                                            name == "row" and layer.kind != "embedding",
+                                                            ctx.tp_group), R))
+                      for name in names]
+    return cache[key]
 
 
 def _region_picks(graph, region, ctx: MeshContext, cache: dict) -> tuple[tuple, float, float]:
