@@ -146,17 +146,18 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
             raise PlanError(f"pipeline stages with spatial={plan.spatial} need a model whose forward applies its "
                             f"blocks one after another to each other's output ({graph.name} passes them other "
                             "values too); use spatial or pipeline parallelism, not both")
-        micro = _micro_graph(model, plan, graph, example)
+        micro = _micro_graph(model, plan, graph, example, groups)
     return Checked(graph, splits, groups, micro)
 
 
-def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example) -> ModelGraph:
+def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example, groups: list[list[str]]) -> ModelGraph:
     """The graph of one micro-batch: the shapes the pipeline stages exchange and stand in for; each stage is
     run on the meta device, as it will run, so that a forward the stages cannot run fails here."""
     size = replica_batch(plan, graph.input_shape[0]) // plan.micro_batches
     piece = example[:size] if isinstance(example, torch.Tensor) and len(example) >= size else \
         torch.zeros((size,) + graph.input_shape[1:], dtype=getattr(torch, graph.input_dtype))
     micro = graph_of(model, piece, dtype=_dtype_name(model))
+    pipeline.check_stages(model, micro, groups)
     return micro
 
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hybridpar import meta
 from hybridpar.errors import PlanError
 from hybridpar.plan import rules
 from hybridpar.plan.graph import ModelGraph, blocks
@@ -89,10 +90,10 @@ class StandIn(nn.Module):
         self.name, self.run = name, run
 
     def forward(self, *args, **kwargs):
-        if self.run.graph.is_chain:  # the model is its blocks in a chain: pass the activation on
-            return args[0]
-        call = self.run.next_call(self.name)
         leaves = tree_flatten((args, kwargs))[0]
+        if self.run.graph.is_chain:  # the model is its blocks in a chain: pass the activation on
+            return next(t for t in leaves if isinstance(t, torch.Tensor))
+        call = self.run.next_call(self.name)
         for arg in call.args:
             if arg.value in self.run.wanted and arg.value not in self.run.caught:
                 self.run.caught[arg.value] = leaves[arg.leaf]
@@ -212,6 +213,29 @@ def connect(module: nn.Module, run: StageRun) -> None:
         if name in run.held:
             block.hp_block = name
             block.register_forward_pre_hook(run.substitute, with_kwargs=True)
+
+
+def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -> None:
+    """Run every stage's module once on the meta device, as it will run (taking what the stage before sends),
+    so that a forward the stages cannot run (model code that needs a value a skipped block stands in for)
+    fails here, before any communication, naming the stage. ``graph``: the model's for one micro-batch."""
+    sent = {a.value: a for call in graph.block_calls for a in call.args}
+    values = meta.Values()
+    with values:
+        copied = meta.meta_copy(model, values)
+        for stage in range(len(groups)):
+            module, run = stage_module(copied, graph, groups, stage, torch.device("meta"))
+            connect(module, run)
+            inputs = [torch.zeros(sent[v].shape, dtype=getattr(torch, sent[v].dtype), device="meta")
+                      .requires_grad_(sent[v].requires_grad) for v in run.interface.receives]
+            if not inputs:
+                inputs = [torch.zeros(graph.input_shape, dtype=getattr(torch, graph.input_dtype), device="meta")]
+                values.set(inputs[0], torch.zeros(graph.input_shape, dtype=inputs[0].dtype))
+            try:
+                module(*inputs)
+            except Exception as err:  # the model's own code, on what a stage has
+                raise PlanError(f"pipeline stage {stage} (blocks {some(groups[stage])}) does not run on its own "
+                                f"({type(err).__name__}: {err}); cut the model at other blocks") from None
 
 
 def stages_of_rank(num_stages: int, pp: int, rank: int) -> list[int]:

@@ -232,11 +232,6 @@ class ModelGraph:
         return frozenset(i for i, users in enumerate(self.consumers) if any(u != i + 1 for u in users))
 
     @cached_property
-    def forced_replicated(self) -> frozenset[int]:
-        """Layers whose output must be whole over tp: read by another layer than the next, or none (the output)."""
-        return frozenset(i for i in range(len(self.layers)) if self.consumers[i] != (i + 1,))
-
-    @cached_property
     def isotropic(self) -> bool:
         """Every spatial dim alike (a cubic input, windows the same along each dim): permuting a spatial
         grid changes no cost."""

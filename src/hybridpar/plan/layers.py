@@ -22,7 +22,7 @@ from hybridpar.plan.graph import INPUT, Layer, ModelGraph
 from hybridpar.spatial.geometry import plan_exchange, split_bounds
 
 R, S, P = "R", "S", "P"
-LAYOUTS = {"replicate": (R, R), "column": (R, S), "row": (S, P), "shard": (S, S)}
+LAYOUTS = {"replicate": R, "column": S, "row": P, "shard": S}  # the layout each strategy leaves
 # A spatially split normalisation runs as separate ops: forward sum, x - mean, its square, the square's sum,
 # the scaling (5 reads + 3 writes: 4x the fused layer's read + write), backward about twice that.
 SPATIAL_NORM_PASSES = (4, 8)
@@ -31,8 +31,7 @@ SPATIAL_NORM_PASSES = (4, 8)
 @dataclass(frozen=True)
 class Option:
     strategy: str  # replicate, column, row, shard
-    layout_in: str
-    layout_out: str
+    layout_out: str  # of its output: R whole, S split, P partial sums (a row layer's, which it sums)
     time: float  # forward + backward of one micro-batch, own communication included
     forward: float  # forward compute (what checkpointing recomputes)
     comm: dict  # exposed seconds by kind
@@ -176,8 +175,7 @@ def strategies(layer: Layer, ctx: MeshContext) -> tuple[str, ...]:
 
 def _option(layer: Layer, ctx: MeshContext, name: str, scale: float, fraction: float,
             halo_per_sample: tuple[float, ...]) -> Option:
-    lin, lout = LAYOUTS[name]
-    lin = R if name == "row" and layer.kind == "embedding" else lin
+    lout = LAYOUTS[name]
     on_tokens = ctx.sequence_parallel and name == "replicate" and layer.kind in rules.TOKEN_WISE
     split = ctx.tp if name != "replicate" or on_tokens else 1
     params = layer.param_bytes / (1 if on_tokens else split)  # a norm's parameters stay whole on every rank
@@ -209,7 +207,7 @@ def _option(layer: Layer, ctx: MeshContext, name: str, scale: float, fraction: f
     out_bytes = layer.out_bytes * scale * (fraction if layer.kind not in ("flatten", "global_pool") else 1.0)
     workspace = (_in_bytes(layer) * scale * fraction + out_bytes) / split
     in_bytes = _in_bytes(layer) * scale * _in_fraction(layer, ctx)
-    return Option(name, lin, lout, forward + backward + sum(comm.values()), forward, comm, params, saved,
+    return Option(name, lout, forward + backward + sum(comm.values()), forward, comm, params, saved,
                   workspace, out_bytes, in_bytes)
 
 
