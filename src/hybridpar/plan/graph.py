@@ -29,6 +29,7 @@ so that data-dependent Python in a forward takes the branch the real run takes, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -420,9 +421,21 @@ class _Tracer(TorchFunctionMode):
             self.alive.append(t)
 
     # --- layers ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def own(self):
+        """Our own bookkeeping (shapes, ids, statuses): not the model's, not traced."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+
     def begin(self, name: str, kind: str, op: str, args, kwargs, module: nn.Module | None = None,
               flops0: float | None = None) -> dict:
-        self.quiet += 1
+        with self.own():
+            return self._begin(name, kind, op, args, kwargs, module, flops0)
+
+    def _begin(self, name, kind, op, args, kwargs, module, flops0) -> dict:
         tensors = self._tensors((args, kwargs))
         reads = tuple(self._read(t) for t in tensors)
         inputs = tuple(dict.fromkeys(r.source for r in reads if r.source >= INPUT))
@@ -434,11 +447,13 @@ class _Tracer(TorchFunctionMode):
             "spatial_in": bool(tensors) and self.status.get(id(tensors[0])) == PARTITIONED,
         }
         self.current = record
-        self.quiet -= 1
         return record
 
     def end(self, record: dict, out, flops: float | None = None) -> None:
-        self.quiet += 1
+        with self.own():
+            self._end(record, out, flops)
+
+    def _end(self, record: dict, out, flops: float | None) -> None:
         tensors = self._tensors(out)
         record["index"] = len(self.records)
         record["flops"] = self.counter.get_total_flops() - record["flops0"] if flops is None else flops
@@ -449,18 +464,16 @@ class _Tracer(TorchFunctionMode):
         self.records.append(record)
         self._produce(out, record["index"])
         self.current = None
-        self.quiet -= 1
 
     def pack(self, t: torch.Tensor):
         if self.current is None or self.current["kind"] == "attention":  # counted by _attention_saved
             return t
-        self.quiet += 1
-        base = t._base if t._base is not None else t
-        if id(base) not in self.params and id(t) not in self.params and id(base) not in self.saved:
-            self.saved.add(id(base))
-            self.alive.append(base)
-            self.current["saved"] += base.numel() * base.element_size()
-        self.quiet -= 1
+        with self.own():
+            base = t._base if t._base is not None else t
+            if id(base) not in self.params and id(t) not in self.params and id(base) not in self.saved:
+                self.saved.add(id(base))
+                self.alive.append(base)
+                self.current["saved"] += base.numel() * base.element_size()
         return t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -470,23 +483,23 @@ class _Tracer(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.inside_leaf:
             out = func(*args, **kwargs)
-            self.quiet += 1
-            if self.current is not None and self._tensors(out):
-                self.current["functions"].add(name)
-            self._spatial(name, args, kwargs, out)
-            self.quiet -= 1
+            with self.own():
+                if self.current is not None and self._tensors(out):
+                    self.current["functions"].add(name)
+                self._spatial(name, args, kwargs, out)
             return out
-        self.quiet += 1
-        produced = any(id(t) in self.info for t in self._tensors((args, kwargs)))
-        self.quiet -= 1
+        with self.own():
+            produced = any(id(t) in self.info for t in self._tensors((args, kwargs)))
         if not produced or name in rules.SHAPE_ONLY:  # constants, or a tensor of the input's shape: not a layer
-            return self._untracked(func, name, args, kwargs)
+            out = func(*args, **kwargs)
+            with self.own():
+                self._spatial(name, args, kwargs, out)
+            return out
         if name in rules.ALIASES or name == "__get__":
             out = func(*args, **kwargs)
-            self.quiet += 1
-            self._alias(name, args, kwargs, out)
-            self._spatial(name, args, kwargs, out)
-            self.quiet -= 1
+            with self.own():
+                self._alias(name, args, kwargs, out)
+                self._spatial(name, args, kwargs, out)
             return out
         flops0 = self.counter.get_total_flops()
         kind = "attention" if name in ATTENTION_FUNCTIONS else (
@@ -496,24 +509,16 @@ class _Tracer(TorchFunctionMode):
         if not self._tensors(out):
             self.current = None
             return out
-        self.quiet += 1
-        self._spatial(name, args, kwargs, out)
-        parent = self.module_stack[-1] if self.module_stack else ""
-        k = self.counts[f"{parent}:{name}"] = self.counts.get(f"{parent}:{name}", -1) + 1
-        record["name"] = f"{parent}:{name}#{k}" if parent else f"{name}#{k}"
-        if kind == "attention":
-            q, key = (list(args) + [kwargs.get("query"), kwargs.get("key")])[:2]
-            record["heads"], record["kv_heads"] = q.shape[-3], key.shape[-3]
-            record["saved"] = self._attention_saved(args, kwargs, out)
-        self.quiet -= 1
+        with self.own():
+            self._spatial(name, args, kwargs, out)
+            parent = self.module_stack[-1] if self.module_stack else ""
+            k = self.counts[f"{parent}:{name}"] = self.counts.get(f"{parent}:{name}", -1) + 1
+            record["name"] = f"{parent}:{name}#{k}" if parent else f"{name}#{k}"
+            if kind == "attention":
+                q, key = (list(args) + [kwargs.get("query"), kwargs.get("key")])[:2]
+                record["heads"], record["kv_heads"] = q.shape[-3], key.shape[-3]
+                record["saved"] = self._attention_saved(args, kwargs, out)
         self.end(record, out, _attention_flops(args, kwargs) if kind == "attention" else None)
-        return out
-
-    def _untracked(self, func, name, args, kwargs):
-        out = func(*args, **kwargs)
-        self.quiet += 1
-        self._spatial(name, args, kwargs, out)
-        self.quiet -= 1
         return out
 
     def _attention_saved(self, args, kwargs, out) -> int:
@@ -585,8 +590,11 @@ class _Blocks:
         self.calls: list[dict] = []
 
     def enter(self, name: str, args, kwargs) -> None:
+        with self.tracer.own():
+            self._enter(name, args, kwargs)
+
+    def _enter(self, name: str, args, kwargs) -> None:
         t = self.tracer
-        t.quiet += 1
         leaves = tree_flatten((args, kwargs))[0]
         block_args = []
         for k, leaf in enumerate(leaves):
@@ -599,17 +607,18 @@ class _Blocks:
         if name not in self.order:
             self.order.append(name)
         self.calls.append({"block": name, "args": tuple(block_args), "first": len(t.records)})
-        t.quiet -= 1
 
     def leave(self, name: str, out) -> None:
+        with self.tracer.own():
+            self._leave(name, out)
+
+    def _leave(self, name: str, out) -> None:
         t = self.tracer
-        t.quiet += 1
         call = next(c for c in reversed(self.calls) if c["block"] == name and "output" not in c)
         call["output"] = structure(out)
         call["returns"] = tuple(t.values.setdefault(id(x), len(t.values)) for x in t._tensors(out))
         t.alive.extend(t._tensors(out))
         call["layers"] = (call.pop("first"), len(t.records))
-        t.quiet -= 1
 
 
 def _install_hooks(model: nn.Module, tracer: _Tracer, calls: _Blocks) -> list:
