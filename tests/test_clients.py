@@ -271,3 +271,40 @@ def test_the_searched_plan_equals_one_process(dist4, name, search):
     fastest data-parallel, and these reach the other runtimes) equals one process."""
     described = dist4.run(searched_equivalence, name=name, constraints=SEARCHES[search])
     assert len(set(described)) == 1
+
+
+def tied_checkpoint(path: str, fields: dict, save: bool) -> dict:
+    """A tied Llama saved under one plan (after an Adam step) and loaded under another: every name of the shared
+    weight is kept, and the loaded model holds the saved weights."""
+    from hybridpar.parallel import checkpoint
+
+    torch.manual_seed(0 if save else 7)  # the model that loads starts from other weights
+    model = llama(True).double()
+    idx, targets = tokens()
+    fields = dict(fields)
+    if fields.get("tp", 1) > 1:
+        fields["layers"] = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=fields["tp"]).items())
+    if fields.get("pp", 1) > 1:
+        fields["stages"] = (SECOND_LAYER["llama-tied"],)
+    plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), dtype="float64", **fields)
+    parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
+    optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-2)
+    if save:
+        mine = replica_slice(parallel, BATCH)
+        parallel.train_step(idx[mine], targets[mine])
+        optimizer.step()
+        checkpoint.save(parallel, optimizer, path)
+    else:
+        checkpoint.load(parallel, optimizer, path)
+    return parallel.full_state_dict()
+
+
+def test_a_tied_checkpoint_moves_between_plans(dist2, tmp_path):
+    path = str(tmp_path / "tied")
+    saved = dist2.run(tied_checkpoint, path=path, fields=dict(tp=2), save=True)[0]
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(saved)
+    assert torch.equal(saved["model.embed_tokens.weight"], saved["lm_head.weight"])
+    for loaded in dist2.run(tied_checkpoint, path=path, fields=dict(pp=2, micro_batches=2), save=False):
+        assert set(loaded) == set(saved)
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)

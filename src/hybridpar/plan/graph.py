@@ -775,15 +775,25 @@ CONTAINERS = (nn.Sequential, nn.ModuleList)
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's blocks, ``(name, module)`` in the order they are registered: its top-level children, with an
     ``nn.Sequential`` or ``nn.ModuleList`` child expanded into its entries, and a child that holds an
-    ``nn.ModuleList`` (a trunk: a Hugging Face ``model.model``, ``transformer``) expanded into its own blocks. A
-    model pipelines if its forward calls these one after another (``ModelGraph.blocks`` has the order of the
+    ``nn.ModuleList`` (a trunk: a Hugging Face ``model.model``, ``transformer``) expanded into its own blocks;
+    a module registered twice counts once, under its first name (as ``named_modules`` names it). A model
+    pipelines if its forward calls these one after another (``ModelGraph.blocks`` has the order of the
     calls)."""
+    out, seen = [], set()
+    for name, child in _block_candidates(model):
+        if id(child) not in seen:
+            seen.add(id(child))
+            out.append((name, child))
+    return out
+
+
+def _block_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     out = []
     for name, child in model.named_children():
         if isinstance(child, CONTAINERS):
             out.extend((f"{name}.{n}", c) for n, c in child.named_children())
         elif any(type(c) is nn.ModuleList for c in child.children()):
-            out.extend((f"{name}.{n}", c) for n, c in blocks(child))
+            out.extend((f"{name}.{n}", c) for n, c in _block_candidates(child))
         else:
             out.append((name, child))
     return out
