@@ -49,13 +49,18 @@ def gpt2():
 
 
 LANGUAGE = {"llama-tied": lambda: llama(True), "llama": lambda: llama(False), "gpt2": gpt2}
-SECOND_LAYER = {"llama-tied": "model.layers.1.input_layernorm", "llama": "model.layers.1.input_layernorm",
-                "gpt2": "transformer.h.1.ln_1"}
+STAGES = {  # the first layer of each stage after the first, for 2 and 4 stages
+    "llama-tied": {2: ("model.layers.1.input_layernorm",),
+                   4: ("model.layers.0.input_layernorm", "model.layers.1.input_layernorm", "model.norm")},
+    "gpt2": {2: ("transformer.h.1.ln_1",), 4: ("transformer.h.0.ln_1", "transformer.h.1.ln_1", "transformer.ln_f")},
+}
+STAGES["llama"] = STAGES["llama-tied"]
 LANGUAGE_PLANS = {  # world size, plan fields
     "tp2": (2, dict(tp=2)),
     "pp2": (2, dict(pp=2, micro_batches=2)),
     "tp2-pp2": (4, dict(tp=2, pp=2, micro_batches=2)),
     "fsdp2-tp2": (4, dict(dp=2, tp=2, sharding=3)),
+    "pp4": (4, dict(pp=4, micro_batches=4)),  # the tied copies on the first and last of four ranks
 }
 
 
@@ -73,7 +78,7 @@ def language_equivalence(name: str, fields: dict) -> float:
     if fields.get("tp", 1) > 1:
         fields["layers"] = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=fields["tp"]).items())
     if fields.get("pp", 1) > 1:
-        fields["stages"] = (SECOND_LAYER[name],)
+        fields["stages"] = STAGES[name][fields["pp"]]
     plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), dtype="float64", **fields)
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
     mine = replica_slice(parallel, BATCH)
@@ -285,7 +290,7 @@ def tied_checkpoint(path: str, fields: dict, save: bool) -> dict:
     if fields.get("tp", 1) > 1:
         fields["layers"] = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=fields["tp"]).items())
     if fields.get("pp", 1) > 1:
-        fields["stages"] = (SECOND_LAYER["llama-tied"],)
+        fields["stages"] = STAGES["llama-tied"][fields["pp"]]
     plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), dtype="float64", **fields)
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
     optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-2)

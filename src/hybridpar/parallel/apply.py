@@ -3,15 +3,16 @@
 The order (each step only where the plan asks for it):
 
 1. **check** everything that can be wrong (mesh against plan, layer names and strategies, divisibility,
-   heads, layouts between layers, pipeline cuts, batch sizes), identically on every rank and before any
-   communication;
-2. **pipeline stages**: this rank's stage module(s), cut from the model's top-level blocks
-   (``parallel.pipeline``); without pipelining, the model itself;
+   heads, splits followed to every reader, shared parameters, the spatial grid, pipeline cuts and what
+   crosses them, batch sizes) by the rules the planner reads (``hybridpar.plan.rules``), identically on
+   every rank and before any communication;
+2. **pipeline stages**: this rank's stage module(s), cut between the model's blocks (``parallel.pipeline``);
+   without pipelining, the model itself;
 3. **tensor** parallelism: column / row / shard per layer (``parallel.tensor``: DTensor for Linear and
    Embedding layers, filter / channel splits for convolutions, which keep an ordinary conv of their channels);
 4. **spatial** parallelism: convolutions (split ones included), pooling and normalisations on slabs
    (``spatial.parallelize``);
-5. **activation checkpointing** of each top-level block;
+5. **activation checkpointing** of each block;
 6. **data** parallelism over the ``dp x spatial`` ranks: DDP (sharding 0), FSDP2 ``fully_shard`` per block
    and at the root (sharding 1 and 2 keep the gathered parameters from forward to backward, 3 frees them);
 7. the pipeline **schedule** (GPipe, 1F1B, interleaved 1F1B) over the stages.
@@ -68,7 +69,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     grid = plan.spatial if math.prod(plan.spatial) > 1 else (1,) * max(len(shape) - 2, 1)  # one part per dim
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     params = {name for name, _ in model.named_parameters()}
-    owners = _owners(names, groups, plan.pp)
+    stages = _stages(names, groups, plan.pp)
+    owners = {name: stage % plan.pp for name, stage in stages.items()}
     mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())  # the first collective
     _check_mesh(plan, mesh)
     pp_rank = mesh["pp"].get_local_rank()
@@ -85,7 +87,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     if plan.pp > 1:
         schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
                                            mesh["pp"].get_group(), device)
-    tied = [names for names in graph.shared if len({owners.get(n) for n in names}) > 1] if plan.pp > 1 else []
+    tied = _tied_groups([names for names in graph.shared if len({stages.get(n) for n in names}) > 1]
+                        if plan.pp > 1 else [], stages, mesh, plan.pp)
     batch = replica_batch(plan, shape[0])
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch, tied)
 
@@ -139,7 +142,7 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
         raise PlanError(f"{idle}; list the layers to split (hybridpar.parallel.tensor.pair_strategies finds them), "
                         "or use dp instead")
     groups = _stage_groups(model, graph, plan)
-    _owners(dict.fromkeys(model.state_dict()), groups, plan.pp)  # every parameter and buffer in a block
+    _stages(model.state_dict(), groups, plan.pp)  # every parameter and buffer in a block
     micro = None
     if plan.pp > 1:
         if spatial and not graph.is_chain:
@@ -205,8 +208,27 @@ def replica_batch(plan: Plan, example_batch: int) -> int:
     return (example_batch if plan.global_batch <= 1 else plan.global_batch) // plan.dp
 
 
-def _owners(names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
-    """The pp rank that holds each state-dict entry."""
+def _tied_groups(tied: list[tuple[str, ...]], stages: dict[str, int], mesh: DeviceMesh, pp: int) -> list:
+    """For each parameter that several pipeline stages hold a copy of: ``(its names, the process group of the pp
+    ranks of this rank's pipeline that hold a copy)``, or no group where one rank holds them all (its stages'
+    copies are summed locally); left out where this rank holds no copy. Every rank creates every group, in
+    the same order (``new_group`` asks it)."""
+    lines = mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist()  # the global ranks of each pipeline
+    me, out = dist.get_rank(), []
+    for names in tied:
+        holders = sorted({stages[n] % pp for n in names if n in stages})
+        mine = None
+        for line in lines:
+            group = dist.new_group([line[r] for r in holders]) if len(holders) > 1 else None
+            if me in line and line.index(me) in holders:
+                mine = (names, group)
+        if mine is not None:
+            out.append(mine)
+    return out
+
+
+def _stages(names, groups: list[list[str]], pp: int) -> dict[str, int]:
+    """The pipeline stage that holds each state-dict entry (pp rank: the stage modulo ``pp``)."""
     if pp == 1:
         return dict.fromkeys(names, 0)
     stage_of = {unit: i for i, group in enumerate(groups) for unit in group}
@@ -214,9 +236,9 @@ def _owners(names: dict, groups: list[list[str]], pp: int) -> dict[str, int]:
     for name in names:
         unit = next((u for u in stage_of if name.startswith(u + ".")), None)
         if unit is None:
-            raise PlanError(f"{name!r} belongs to none of the model's top-level blocks; hybridpar.parallelize "
-                            "needs every parameter and buffer inside a block (a child module)")
-        out[name] = stage_of[unit] % pp
+            raise PlanError(f"{name!r} belongs to none of the model's blocks; hybridpar.parallelize needs every "
+                            "parameter and buffer of a pipelined model inside a block (a child module)")
+        out[name] = stage_of[unit]
     return out
 
 
@@ -283,9 +305,9 @@ class ParallelModel:
 
     def __init__(self, modules: dict[int, nn.Module], schedule, plan: Plan, mesh: DeviceMesh, loss_fn,
                  names: dict, params: set[str], owners: dict[str, int], manual_sync: bool, replica_batch: int,
-                 tied: list[tuple[str, ...]] = ()):
+                 tied: list = ()):
         self.modules, self.schedule, self.plan, self.mesh = modules, schedule, plan, mesh
-        self._tied = list(tied)  # names of each parameter that several pipeline stages hold a copy of
+        self._tied = list(tied)  # (names, group) of each parameter that several pipeline stages hold a copy of
         self.loss_fn, self._manual_sync = loss_fn, manual_sync
         self._replica_batch = replica_batch  # the batch the pipeline stages' buffers are shaped for
         self._names, self._params, self._owners = names, params, owners  # of the original model
@@ -404,10 +426,10 @@ class ParallelModel:
         return dist.get_global_rank(self.mesh["pp"].get_group(), (self._num_stages - 1) % self.plan.pp)
 
     def _sum_tied_gradients(self) -> None:
-        """A parameter that stages on several pp ranks hold a copy of (a head tied to the token embedding) gets
-        the sum of the copies' gradients on every copy, as one process's one parameter gets both uses'."""
-        group = self.mesh["pp"].get_group()
-        for names in self._tied:
+        """A parameter that several pipeline stages hold a copy of (a head tied to the token embedding) gets the
+        sum of the copies' gradients on every copy (over the pp ranks that hold one), as one process's one
+        parameter gets both uses'."""
+        for names, group in self._tied:
             copies = list({id(p): p for module in self.modules.values() for name, p in
                            module.named_parameters(remove_duplicate=False) if original_name(name) in names}.values())
             total = None
@@ -416,7 +438,8 @@ class ParallelModel:
                     p.grad = torch.zeros_like(p)
                 grad = _local_grad(p)
                 total = grad.clone() if total is None else total + grad
-            dist.all_reduce(total, group=group)
+            if group is not None:
+                dist.all_reduce(total, group=group)
             for p in copies:
                 _local_grad(p).copy_(total)
 

@@ -46,7 +46,7 @@ class Units:
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     params: tuple[float, ...]
-    param_blocks: tuple[int, ...]  # top-level blocks with parameters (FSDP gathers each: parallelize wraps them)
+    param_blocks: tuple[int, ...]  # blocks with parameters (FSDP gathers each: parallelize wraps them)
     saved: tuple[float, ...]
     workspace: tuple[float, ...]  # largest in the unit
     largest_params: tuple[float, ...]  # of one layer
@@ -56,7 +56,7 @@ class Units:
     @staticmethod
     def of(chain, starts: list[int], block_index: tuple[int | None, ...]) -> "Units":
         """The units of ``chain`` starting at the layers ``starts``; ``block_index`` gives each layer's
-        top-level block (``ModelGraph.block_index``)."""
+        block (``ModelGraph.block_index``)."""
         bounds = list(zip(starts, starts[1:] + [len(chain.options)]))
         opts = chain.options
         return Units(
