@@ -58,6 +58,8 @@ STAGES["llama"] = STAGES["llama-tied"]
 LANGUAGE_PLANS = {  # world size, plan fields
     "tp2": (2, dict(tp=2)),
     "pp2": (2, dict(pp=2, micro_batches=2)),
+    # all forwards first, then each block recomputed in backward: a stage must recompute with what it was sent then
+    "pp2-gpipe-checkpointing": (2, dict(pp=2, micro_batches=2, schedule="gpipe", checkpointing=True)),
     "tp2-pp2": (4, dict(tp=2, pp=2, micro_batches=2)),
     "fsdp2-tp2": (4, dict(dp=2, tp=2, sharding=3)),
     "pp4": (4, dict(pp=4, micro_batches=4)),  # the tied copies on the first and last of four ranks

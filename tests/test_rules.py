@@ -13,7 +13,7 @@ from models import TinyUNet
 
 from hybridpar.errors import PlanError
 from hybridpar.parallel.apply import check_plan
-from hybridpar.parallel.tensor import pair_strategies
+from hybridpar.parallel.tensor import check_strategies, pair_strategies
 from hybridpar.plan import check_grid, graph_of, rules
 from hybridpar.plan.types import Plan
 
@@ -189,3 +189,149 @@ def test_the_planner_prices_llama_tensor_parallelism_as_the_runtime_runs_it():
         assert [layers.get(f"{attention}.{p}_proj") for p in "qkvo"] == ["column"] * 3 + ["row"]
         assert [layers.get(f"{mlp}.{p}_proj") for p in ("gate", "up", "down")] == ["column", "column", "row"]
     check_plan(model, plan, tokens[:1].expand(64, -1))
+
+
+# --- what a review found: each a plan the rules must refuse, or a fact the analysis must record ---------
+
+class _Gated(nn.Module):
+    """A gate computed inside one module: its halves pair up only on the whole features."""
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(a) * b
+
+
+class _Around(nn.Module):
+    def __init__(self, act, width=64):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(16, 64), act, nn.Linear(width, 16)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("act, width", [(_Gated(), 32), (nn.GLU(), 32), (nn.Softmax(dim=-1), 64)],
+                         ids=["chunked-gate", "GLU", "Softmax"])
+def test_modules_that_mix_features_do_not_run_split(act, width):
+    """A softmax over the features, or a gate that pairs its input's two halves, computes something else on a
+    rank's share of the features: not a shard layer, not found, refused."""
+    graph = graph_of(_Around(act, width), (2, 8, 16))
+    assert {"up", "act"}.isdisjoint(pair_strategies(graph, tp=2))  # (the output layer splits alone)
+    with pytest.raises(PlanError, match="layer 'act'"):
+        check_strategies({"up": "column", "act": "shard", "down": "row"}, graph, 2)
+
+
+def test_a_transposing_property_moves_the_split():
+    class Square(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):  # (2, 8, 8): .mT swaps the split features into the middle
+            return self.down(torch.relu(self.up(x)).mT)
+
+    graph = graph_of(Square(), (2, 8, 8))
+    assert "up" not in pair_strategies(graph, tp=2)
+    with pytest.raises(PlanError, match="layer 'down' \\(row\\) reads its input split along dim 1"):
+        check_strategies({"up": "column", "relu#0": "shard", "down": "row"}, graph, 2)
+
+
+def test_a_module_called_twice_is_not_split():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(self.b(torch.relu(self.a(x))))
+
+    graph = graph_of(Twice(), (2, 4, 8))
+    assert "a" not in pair_strategies(graph, tp=2)
+    with pytest.raises(PlanError, match="calls this module more than once"):
+        check_strategies({"a": "column", "relu#0": "shard", "b": "row"}, graph, 2)
+
+
+def test_parameters_used_through_their_views_are_seen():
+    """A head written as ``h @ emb.weight.T`` ties the embedding (so it is not split alone), and a parameter
+    used as ``log_scale.exp()`` is used."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.ff = nn.Embedding(16, 8), nn.Linear(8, 8)
+            self.log_scale = nn.Parameter(torch.zeros(8))
+
+        def forward(self, ids):
+            return (self.ff(self.emb(ids)) * self.log_scale.exp()) @ self.emb.weight.T
+
+    graph = graph_of(Tied(), torch.zeros(2, 4, dtype=torch.long))
+    assert graph.shared == (("emb.weight",),) and graph.unused == ()
+    assert "emb" not in pair_strategies(graph, tp=2)
+
+
+def test_a_module_reused_inside_blocks_keeps_them_a_chain():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.act = nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.b(self.act(self.a(x))))
+
+    graph = graph_of(nn.Sequential(Block(), Block(), Block()), (2, 8))
+    assert graph.is_chain and None not in graph.block_index and len(graph.stage_starts) == 2
+
+
+def test_tied_layers_that_would_split_unalike_replicate_with_their_regions():
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.ln = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.ln(self.a(self.b(torch.relu(self.a(x)))))
+
+    graph = graph_of(Loop(), (2, 4, 8))
+    check_strategies(pair_strategies(graph, tp=2), graph, 2)  # whatever it splits runs
+
+
+def test_the_search_proposes_only_what_validate_accepts():
+    """A column layer read by a row layer and by another whole reader: it gathers, the row layer slices."""
+    from hybridpar.plan import preset, search_plans, validate
+
+    class Two(nn.Module):
+        def __init__(self, d=1024):
+            super().__init__()
+            self.x, self.y, self.ln = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.LayerNorm(4 * d)
+
+        def forward(self, x):
+            h = self.x(x)
+            return self.y(h) + self.ln(h).sum(-1, keepdim=True)
+
+    graph = graph_of(Two(), (8, 512, 1024))
+    spec = preset("h100").with_devices(2)
+    for plan in search_plans(graph, None, spec, global_batch=8, tp=2).plans:
+        validate(plan, graph, spec)
+        check_strategies(dict(plan.layers), graph, 2)
+
+
+def test_a_stage_cannot_start_inside_layers_that_split_together():
+    """A stage receives what crosses in its global shape: a cut inside a split region (between a column layer
+    and its row layer) is refused; the search does not propose it."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8))
+    layers = (("0", "column"), ("1", "shard"), ("2", "row"))
+    plan = Plan(tp=2, pp=2, micro_batches=2, global_batch=4, input_shape=(4, 8), layers=layers, stages=("1",))
+    with pytest.raises(PlanError, match="a stage cannot start at '1': '0' leaves its output split over tp there"):
+        check_plan(model, plan, torch.zeros(4, 8))
+    check_plan(model, Plan(**{**vars(plan), "stages": ("3",), "prediction": None}), torch.zeros(4, 8))
+
+
+def test_a_cut_where_model_code_joins_two_blocks_is_refused():
+    """GPT-2 adds its token and position embeddings in its own forward: a stage cannot start at the position
+    embedding (the sum needs both), and can at the dropout after the sum (which the stage before sends)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=8, use_cache=False))
+    graph = graph_of(model, torch.zeros(2, 8, dtype=torch.long))
+    wpe, drop = (graph.blocks.index(f"transformer.{n}") for n in ("wpe", "drop"))
+    assert "combines values from blocks on both sides" in rules.stage_cut_refusal(graph, wpe)
+    assert rules.stage_cut_refusal(graph, drop) is None

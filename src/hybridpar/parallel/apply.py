@@ -130,7 +130,8 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
                         "tensor-parallel ranks would otherwise each hold whole")
     if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
         raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
-    example = _example(model, plan, example_input)
+    example = _example(model, plan, example_input)  # its shape and dtype: every rank analyses the same zeros
+    example = torch.zeros(example.shape, dtype=example.dtype, device="meta")
     graph = graph or graph_of(model, example, dtype=_dtype_name(model))
     spatial, sharded = math.prod(plan.spatial) > 1, plan.sharding > 0 and math.prod(plan.spatial) * plan.dp > 1
     if spatial:
@@ -143,7 +144,10 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
                         "or use dp instead")
     groups = _stage_groups(model, graph, plan)
     _stages(model.state_dict(), groups, plan.pp)  # every parameter and buffer in a block
+    _check_cuts_whole(graph, plan, splits)
     micro = None
+    if plan.pp > 1 and plan.checkpointing and rules.checkpointed_stages_refusal(graph):
+        raise PlanError(rules.checkpointed_stages_refusal(graph))
     if plan.pp > 1:
         if spatial and not graph.is_chain:
             raise PlanError(f"pipeline stages with spatial={plan.spatial} need a model whose forward applies its "
@@ -153,12 +157,24 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
     return Checked(graph, splits, groups, micro)
 
 
+def _check_cuts_whole(graph: ModelGraph, plan: Plan, splits: dict) -> None:
+    """What crosses a pipeline cut is whole over tp (a stage receives the global shapes of the analysis)."""
+    split = {graph.index_of(name) for name, s in splits.items()
+             if s.strategy == "shard" or (s.strategy == "column" and not s.gather_output)}
+    sources = rules.crossing_sources(graph) if split and graph.blocks else {}
+    for start in plan.stages:
+        block = graph.block_index[graph.index_of(start)]
+        inside = sorted(sources.get(block, frozenset()) & split)
+        if inside:
+            raise PlanError(f"a stage cannot start at {start!r}: {graph.layers[inside[0]].name!r} leaves its output "
+                            "split over tp there; cut outside the layers that split together")
+
+
 def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example, groups: list[list[str]]) -> ModelGraph:
     """The graph of one micro-batch: the shapes the pipeline stages exchange and stand in for; each stage is
     run on the meta device, as it will run, so that a forward the stages cannot run fails here."""
     size = replica_batch(plan, graph.input_shape[0]) // plan.micro_batches
-    piece = example[:size] if isinstance(example, torch.Tensor) and len(example) >= size else \
-        torch.zeros((size,) + graph.input_shape[1:], dtype=getattr(torch, graph.input_dtype))
+    piece = torch.zeros((size,) + tuple(example.shape[1:]), dtype=example.dtype, device="meta")
     micro = graph_of(model, piece, dtype=_dtype_name(model))
     pipeline.check_stages(model, micro, groups)
     return micro

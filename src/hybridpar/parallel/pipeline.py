@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpar import meta
 from hybridpar.errors import PlanError
@@ -128,10 +129,12 @@ class StageRun:
         self.received: dict[int, torch.Tensor] = {}
         self.caught: dict[int, torch.Tensor] = {}
         self.count: dict[str, int] = {}
+        # what stood in for a value, and the value that replaced it: activation checkpointing calls a block again
+        # in backward, with what it was first passed, after later micro-batches' forwards
+        self.replaced = WeakIdKeyDictionary()
 
     def next_call(self, name: str):
-        """The analysis' record of this call of block ``name`` (a block called once: its only call, also when
-        activation checkpointing calls it again in backward)."""
+        """The analysis' record of this call of block ``name``."""
         calls = self.calls[name]
         if len(calls) == 1:
             return calls[0]
@@ -153,13 +156,23 @@ class StageRun:
         return (torch.zeros(self.graph.input_shape, dtype=dtype, device=self.device),), {}
 
     def substitute(self, module, args, kwargs):
-        """A held block's forward pre-hook: what it is passed from earlier stages, as they sent it."""
-        call = self.next_call(module.hp_block)
+        """A held block's forward pre-hook: what it is passed from earlier stages, as they sent it (and, called
+        again by activation checkpointing, what replaced those stand-ins the first time)."""
         leaves, spec = tree_flatten((args, kwargs))
+        if any(isinstance(leaf, torch.Tensor) and leaf in self.replaced for leaf in leaves):
+            return tree_unflatten([self.replaced.get(leaf, leaf) if isinstance(leaf, torch.Tensor) else leaf
+                                   for leaf in leaves], spec)
+        call = self.next_call(module.hp_block)
         changed = False
         for arg in call.args:
             if arg.value in self.received:
-                leaves[arg.leaf] = self.received[arg.value]
+                value, stand_in = self.received[arg.value], leaves[arg.leaf]
+                if not isinstance(stand_in, torch.Tensor) or stand_in.shape != value.shape:
+                    raise PlanError(f"block {module.hp_block!r} was passed {type(stand_in).__name__} where the "
+                                    f"analysis saw a tensor of shape {tuple(value.shape)}: the forward must pass its "
+                                    "blocks alike at every step")
+                self.replaced[stand_in] = value
+                leaves[arg.leaf] = value
                 changed = True
         return tree_unflatten(leaves, spec) if changed else None
 
@@ -216,26 +229,25 @@ def connect(module: nn.Module, run: StageRun) -> None:
 
 
 def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -> None:
-    """Run every stage's module once on the meta device, as it will run (taking what the stage before sends),
-    so that a forward the stages cannot run (model code that needs a value a skipped block stands in for)
-    fails here, before any communication, naming the stage. ``graph``: the model's for one micro-batch."""
-    sent = {a.value: a for call in graph.block_calls for a in call.args}
+    """Run the stages' modules one after another on the meta device, each on what the one before sends, as
+    they will run, so that a forward the stages cannot run (model code that needs a value a skipped block
+    stands in for) fails here, before any communication, naming the stage. ``graph``: the model's for one
+    micro-batch."""
     values = meta.Values()
     with values:
         copied = meta.meta_copy(model, values)
+        x = torch.zeros(graph.input_shape, dtype=getattr(torch, graph.input_dtype), device="meta")
+        values.set(x, torch.zeros(graph.input_shape, dtype=x.dtype))
+        inputs = (x,)
         for stage in range(len(groups)):
             module, run = stage_module(copied, graph, groups, stage, torch.device("meta"))
             connect(module, run)
-            inputs = [torch.zeros(sent[v].shape, dtype=getattr(torch, sent[v].dtype), device="meta")
-                      .requires_grad_(sent[v].requires_grad) for v in run.interface.receives]
-            if not inputs:
-                inputs = [torch.zeros(graph.input_shape, dtype=getattr(torch, graph.input_dtype), device="meta")]
-                values.set(inputs[0], torch.zeros(graph.input_shape, dtype=inputs[0].dtype))
             try:
-                module(*inputs)
+                out = module(*inputs)
             except Exception as err:  # the model's own code, on what a stage has
                 raise PlanError(f"pipeline stage {stage} (blocks {some(groups[stage])}) does not run on its own "
                                 f"({type(err).__name__}: {err}); cut the model at other blocks") from None
+            inputs = out if isinstance(out, tuple) else (out,)
 
 
 def stages_of_rank(num_stages: int, pp: int, rank: int) -> list[int]:

@@ -70,16 +70,17 @@ def pair_strategies(graph: ModelGraph, *, tp: int, overrides: Mapping[str, str] 
 
 def _found(graph: ModelGraph, tp: int) -> dict[str, str]:
     """The regions in order (a region that overlaps one taken is left out), then the embeddings by rows and the
-    output layer by columns where they stand alone; layers that share a parameter but would split it unalike
-    replicate."""
+    output layer by columns where they stand alone; where layers that share a parameter would split it
+    unalike, they replicate, and so do the regions they were in."""
     strategies: dict[str, str] = {}
-    taken: set[int] = set()
+    region_of: dict[str, list[str]] = {}
     for region in rules.regions(graph, tp) if tp > 1 else ():
-        if not taken & set(region.layers):
-            taken.update(region.layers)
-            strategies.update((graph.layers[i].name, s) for i, s in zip(region.layers, region.strategies))
+        names = [graph.layers[i].name for i in region.layers]
+        if not any(name in strategies for name in names):
+            strategies.update(zip(names, region.strategies))
+            region_of.update((name, names) for name in names)
     for layer in graph.layers:
-        if layer.index in taken or tp == 1:
+        if layer.name in strategies or tp == 1:
             continue
         alone = rules.standalone(layer, tp)
         if layer.kind == "embedding" and "row" in alone:
@@ -87,11 +88,11 @@ def _found(graph: ModelGraph, tp: int) -> dict[str, str]:
         elif layer.kind == "linear" and not graph.consumers[layer.index] and "column" in alone:
             strategies[layer.name] = "column"
     for names in graph.shared:
-        users = [layer.name for layer in graph.layers if set(layer.params) & set(names)]
-        if len({rules.weight_split(graph.layers[graph.index_of(u)], strategies.get(u, "replicate"))
-                for u in users}) > 1:
+        users = [layer for layer in graph.layers if set(layer.params) & set(names)]
+        if len({rules.weight_split(u, strategies.get(u.name, "replicate")) for u in users}) > 1:
             for user in users:
-                strategies.pop(user, None)
+                for name in region_of.get(user.name, [user.name]):
+                    strategies.pop(name, None)
     return strategies
 
 

@@ -85,7 +85,7 @@ class Read:
     dims: tuple[int | None, ...] = ()
     blocks: tuple[int, ...] = ()
     output: int = 0
-    param: str = ""  # the name of a parameter read (source PARAM)
+    params: tuple[str, ...] = ()  # the parameters it is (a view of) or is computed from alone (source PARAM)
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,8 @@ class Layer:
     groups: int = 1  # of a conv
     outputs: int = 1  # tensors it returns
     shared: bool = False  # uses a parameter that is shared (ModelGraph.shared)
+    path: str = ""  # the module's path, for a layer that is a module ("" for an operation)
+    repeated: bool = False  # a module the forward calls more than once (its later calls are "path#k")
 
     @cached_property
     def signature(self) -> tuple:
@@ -132,16 +134,16 @@ class Layer:
 
     @property
     def is_module(self) -> bool:
-        """Whether the layer is a module (its name a module path), not an operation called in a forward
-        (``'add#0'``, ``'blocks.0.attn:scaled_dot_product_attention#0'``)."""
-        return ":" not in self.name and "#" not in self.name
+        """Whether the layer is a module (``path``), not an operation called in a forward (``'add#0'``,
+        ``'blocks.0.attn:scaled_dot_product_attention#0'``)."""
+        return bool(self.path)
 
     @property
     def owner(self) -> str:
         """The path of the module the layer runs in: its own, or that of the module whose forward calls the
         operation (``''``: the model's own forward)."""
         if self.is_module:
-            return self.name
+            return self.path
         return self.name.partition(":")[0] if ":" in self.name else ""
 
     @property
@@ -340,7 +342,8 @@ class _Tracer(TorchFunctionMode):
         self.converted = 0  # inside a module the spatial runtime converts: its operations are not checked
         self.current: dict | None = None
         self.saved: set[int] = set()
-        self.params = {id(p): name for name, p in model.named_parameters()}
+        self.params = {id(p): (name,) for name, p in model.named_parameters()}  # also views of them, and tensors
+        # computed from them alone (``weight.t()``, ``log_scale.exp()``): what they are read as
         self.buffers = {id(b) for b in model.buffers()}
         self.counts: dict[str, int] = {}
         self.quiet = 0  # our own bookkeeping (numel, shapes) is not the model's
@@ -361,7 +364,7 @@ class _Tracer(TorchFunctionMode):
             source, output, dims, blocks = self.info[id(t)]
             return Read(source, shape, dims, blocks, output)
         if id(t) in self.params:
-            return Read(PARAM, shape, param=self.params[id(t)])
+            return Read(PARAM, shape, params=self.params[id(t)])
         return Read(CONST, shape)
 
     def _produce(self, out, index: int) -> None:
@@ -372,14 +375,7 @@ class _Tracer(TorchFunctionMode):
     def _alias(self, name: str, args, kwargs, out) -> None:
         """A view's outputs carry what its input's dims carry, moved as ``rules.alias_dims`` says."""
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if source is None:
-            return
-        if id(source) in self.params:  # a view of a parameter (``weight.t()``) reads as the parameter
-            for t in self._tensors(out):
-                self.params[id(t)] = self.params[id(source)]
-                self.alive.append(t)
-            return
-        if id(source) not in self.info:
+        if source is None or id(source) not in self.info:
             return
         producer, output, dims, blocks = self.info[id(source)]
         in_shape = tuple(source.shape)
@@ -389,6 +385,14 @@ class _Tracer(TorchFunctionMode):
                                 tuple(0 if w is None or dims[w] is None else math.gcd(blocks[w], t.shape[j])
                                       for j, w in enumerate(where)))
             self.alive.append(t)
+
+    def _from_params(self, args, kwargs, out) -> None:
+        """A tensor computed from parameters alone (a view ``weight.t()``, ``log_scale.exp()``) is read as them."""
+        names = tuple(dict.fromkeys(n for t in self._tensors((args, kwargs)) for n in self.params.get(id(t), ())))
+        if names:
+            for t in self._tensors(out):
+                self.params[id(t)] = names
+                self.alive.append(t)
 
     # --- spatial: the runtime's check, on every operation outside the modules it converts ----------
     def _spatial(self, name: str, args, kwargs, out) -> None:
@@ -442,7 +446,7 @@ class _Tracer(TorchFunctionMode):
         record = {
             "name": name, "kind": kind, "op": op, "inputs": inputs, "reads": reads, "module": module,
             "in": [tuple(t.shape) for t in tensors], "in_bytes": _bytes(tensors), "args": _simple_args(args, kwargs),
-            "params": tuple(dict.fromkeys(r.param for r in reads if r.source == PARAM)),
+            "params": tuple(dict.fromkeys(name for r in reads if r.source == PARAM for name in r.params)),
             "flops0": self.counter.get_total_flops() if flops0 is None else flops0, "saved": 0, "functions": set(),
             "spatial_in": bool(tensors) and self.status.get(id(tensors[0])) == PARTITIONED,
         }
@@ -479,6 +483,8 @@ class _Tracer(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
+        if name == "__get__":  # a property (``x.T``, ``x.mT``): by its own name
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
         if self.quiet:
             return func(*args, **kwargs)
         if self.inside_leaf:
@@ -494,8 +500,10 @@ class _Tracer(TorchFunctionMode):
             out = func(*args, **kwargs)
             with self.own():
                 self._spatial(name, args, kwargs, out)
+                if not produced:
+                    self._from_params(args, kwargs, out)
             return out
-        if name in rules.ALIASES or name == "__get__":
+        if name in rules.ALIASES:
             out = func(*args, **kwargs)
             with self.own():
                 self._alias(name, args, kwargs, out)
@@ -647,6 +655,7 @@ def _install_hooks(model: nn.Module, tracer: _Tracer, calls: _Blocks) -> list:
                     calls_so_far = tracer.counts[path] = tracer.counts.get(path, -1) + 1
                     name = path if calls_so_far == 0 else f"{path}#{calls_so_far}"  # a module called again
                     tracer.module_records[id(m)] = tracer.begin(name, kind, type(m).__name__, args, kwargs, m)
+                    tracer.module_records[id(m)]["path"] = path
                 tracer.inside_leaf += 1
                 tracer.converted += converted
 
@@ -725,7 +734,12 @@ def _graph(model: nn.Module, tracer: _Tracer, calls: _Blocks, input_shape, x, ou
     layers = [_layer(r) for r in tracer.records]
     shared = _shared(model, layers)
     names = {name for group in shared for name in group}
-    layers = [dataclasses.replace(layer, shared=True) if names & set(layer.params) else layer for layer in layers]
+    runs: dict[str, int] = {}
+    for layer in layers:
+        if layer.path:
+            runs[layer.path] = runs.get(layer.path, 0) + 1
+    layers = [dataclasses.replace(layer, shared=bool(names & set(layer.params)), repeated=runs.get(layer.path, 0) > 1)
+              for layer in layers]
     consumers = [[] for _ in layers]
     for layer in layers:
         for p in layer.inputs:
@@ -802,15 +816,12 @@ def _block_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _layer(r: dict) -> Layer:
     module = r["module"]
     kind = r["kind"]
-    if kind == "other" and module is not None and r["functions"] and r["functions"] <= rules.POINTWISE | rules.ALIASES:
-        kind = "pointwise"
-    if kind == "other" and module is not None and (
-            isinstance(module, (nn.Dropout, nn.Identity)) or type(module).__module__ == "torch.nn.modules.activation"):
-        kind = "pointwise"
     params = list(module.parameters()) if module is not None else []
+    if kind == "other" and module is not None and _elementwise(module, r["functions"], params):
+        kind = "pointwise"
     names = r["params"]
     if module is not None:
-        names = tuple(f"{r['name'].partition('#')[0]}.{n}" for n, _ in module.named_parameters())
+        names = tuple(f"{r['path']}.{n}" for n, _ in module.named_parameters())
     extra = _module_features(module, len(r["out"]) - 2) if module is not None else {}
     if kind == "attention" and "heads" in r:
         extra.update(heads=r["heads"], kv_heads=r["kv_heads"])
@@ -822,8 +833,17 @@ def _layer(r: dict) -> Layer:
         out_bytes=r["out_bytes"], saved_bytes=r["saved"], param_bytes=param_bytes,
         num_params=sum(p.numel() for p in params), spatial_in=r["spatial_in"],
         has_weight=any(p.requires_grad for p in params), reads=r["reads"], args=r["args"], params=names,
-        exact=module is not None and type(module) in SPLITTABLE_TYPES, outputs=r["outputs"], **extra,
+        exact=module is not None and type(module) in SPLITTABLE_TYPES, outputs=r["outputs"],
+        path=r.get("path", ""), **extra,
     )
+
+
+def _elementwise(module: nn.Module, functions: set, params: list) -> bool:
+    """A module that works value by value (an activation, dropout, identity): every function it calls is
+    pointwise, and any parameter it has is one value (PReLU's). Softmax, GLU or a per-channel PReLU are not."""
+    if isinstance(module, (nn.Dropout, nn.Identity)):
+        return True
+    return bool(functions) and functions <= rules.POINTWISE and all(p.numel() == 1 for p in params)
 
 
 def _module_features(module: nn.Module, num_spatial: int) -> dict:

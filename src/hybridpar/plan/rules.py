@@ -24,9 +24,10 @@ from hybridpar.errors import PlanError
 SAME_DIMS = frozenset("contiguous clone to type float double half bfloat16 detach detach_ requires_grad_ "
                       "type_as cpu cuda".split())
 RESHAPES = frozenset("view view_as reshape reshape_as flatten unflatten".split())
-ALIASES = SAME_DIMS | RESHAPES | frozenset(
+TRANSPOSES = frozenset("T H mT mH".split())  # properties: all dims reversed (T, H), the last two swapped (mT, mH)
+ALIASES = SAME_DIMS | RESHAPES | TRANSPOSES | frozenset(
     """transpose swapaxes swapdims t permute movedim unsqueeze squeeze expand expand_as __getitem__ narrow select
-    split split_with_sizes chunk unbind""".split())
+    split split_with_sizes chunk unbind data""".split())
 # tensors that take only the shape, dtype and device of their input: constants, not layers
 SHAPE_ONLY = frozenset("""new_ones new_zeros new_empty new_full zeros_like ones_like empty_like full_like rand_like
     randn_like randint_like""".split())
@@ -49,13 +50,15 @@ def alias_dims(name: str, args: tuple, kwargs: dict, src: tuple, in_shape: tuple
     blocks of its dim (a reshape moves it to the outermost output dim of its group), and is lost (``None``)
     where the view cuts a dim into pieces or mixes it into an inner position."""
     n, m = len(in_shape), len(out_shape)
-    if name in SAME_DIMS or (name == "__get__" and in_shape == out_shape):
+    if name in SAME_DIMS or name == "data":
         return tuple(src) if n == m else (None,) * m
     if name in RESHAPES:
         return _regroup(src, in_shape, out_shape)
-    if name in ("transpose", "swapaxes", "swapdims") or (name in ("t", "__get__") and n == 2 and m == 2):
-        a, b = (_norm(d, n) for d in ((_arg(args, kwargs, 1, "dim0", 0), _arg(args, kwargs, 2, "dim1", 1))
-                                      if name not in ("t", "__get__") else (0, 1)))
+    if name in ("T", "H") or (name == "t" and n == 2):
+        return tuple(reversed(src))
+    if name in ("transpose", "swapaxes", "swapdims", "mT", "mH"):
+        a, b = ((_norm(d, n) for d in (_arg(args, kwargs, 1, "dim0", 0), _arg(args, kwargs, 2, "dim1", 1)))
+                if name not in ("mT", "mH") else (n - 2, n - 1))
         out = list(src)
         out[a], out[b] = out[b], out[a]
         return tuple(out)
@@ -192,8 +195,8 @@ HINTS = {
     "sum": "use nn.AdaptiveAvgPool(1) for global pooling, or a hybridpar.spatial loss",
     "amax": "use nn.AdaptiveMaxPool(1) for global pooling",
 }
-MIXING = frozenset(RESHAPES | {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "unfold", "roll",
-                               "matmul", "bmm", "einsum"})
+MIXING = frozenset(RESHAPES | TRANSPOSES | {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "unfold",
+                                            "roll", "matmul", "bmm", "einsum"})
 DEFAULT_HINT = "use the nn module for it (Conv, Pool, Upsample, Norm, Flatten), which hybridpar converts exactly"
 
 
@@ -321,6 +324,9 @@ def tp_refusal(layer, strategy: str, tp: int, *, spatial: bool = False, sharded:
     if layer.kind in ("linear", "embedding") and spatial:
         return (f"{name} ({layer.op}) cannot run {strategy!r}: a spatially split model keeps its dense layers "
                 "whole (it combines with filter / channel splits of convolutions); replicate the layer")
+    if layer.repeated:
+        return (f"{name} ({layer.op}): the forward calls this module more than once, and one split of its weight "
+                "would have to suit every call; replicate it")
     if layer.kind == "conv" and layer.shared:
         return (f"{name}: a conv that shares its parameters (a module registered twice, a tied weight) cannot be "
                 "split by channels, as its shards would be tensors of their own; replicate it")
@@ -343,7 +349,7 @@ LAYOUTS = {"replicate": (WHOLE, WHOLE), "column": (WHOLE, SPLIT), "row": (SPLIT,
 
 def gathers(graph, index: int, wanted) -> bool:
     """Whether the column layer ``index`` gathers its output: some reader of it (or the model's output) reads
-    it whole. (Mixed readers are refused by ``check_assignment``.)"""
+    it whole. Its other readers then get it whole too: a row layer slices it, a shard layer cannot take it."""
     readers = graph.consumers[index]
     return not readers or any(LAYOUTS[wanted(c)][0] == WHOLE for c in readers)
 
@@ -378,11 +384,7 @@ def check_assignment(graph, strategies, tp: int, *, spatial: bool = False, shard
                 raise PlanError(f"layer {source!r} ({strategy_of(read.source)}) leaves its output split over tp, but "
                               f"{layer.name!r} reads it whole; make {layer.name!r} shard or row, or {source!r} a "
                               "column layer whose readers all read it whole")
-        gather = strategy == "column" and gathers(graph, i, strategy_of)
-        if gather and any(LAYOUTS[strategy_of(c)][0] == SPLIT for c in graph.consumers[i]):
-            reader = next(graph.layers[c].name for c in graph.consumers[i] if LAYOUTS[strategy_of(c)][0] == SPLIT)
-            raise PlanError(f"layer {layer.name!r} (column) leaves its output split over tp for {reader!r} but whole "
-                          "for another reader; replicate one of them")
+        gather = strategy == "column" and gathers(graph, i, strategy_of)  # then its row readers slice it
         result, sliced = _layer_split(graph, layer, strategy, dims)
         if strategy != "replicate":
             out[i] = (gather, sliced, None if gather else result)
@@ -472,8 +474,10 @@ def _shard_split(graph, layer, dims: list) -> int:
         _check_broadcast(layer, read, dim, n)
     if layer.kind == "cat" or layer.op in SOFTMAX:
         along = layer.arg(1, layer.arg("dim", 0 if layer.kind == "cat" else None))
-        if along is not None and along % n == dim:
-            raise PlanError(f"{name} ({layer.op}) works along dim {dim}, which is split over tp; replicate it")
+        if along is None or along % n == dim:
+            raise PlanError(f"{name} ({layer.op}) works along dim {along if along is not None else '(implicit)'}, "
+                            f"which is {'split over tp' if along is not None else 'not known to be another'} than "
+                            f"the split dim {dim}; replicate it")
     return dim
 
 
@@ -547,7 +551,8 @@ def _aliases(names) -> str:
 @dataclass(frozen=True)
 class Region:
     """Layers split together over tp: column layers whose split outputs reach row layers through shard
-    layers only, whole at its edges (its inputs whole, its rows' outputs summed whole)."""
+    layers only, whole at its edges (its inputs whole, its rows' outputs summed whole, nothing outside it
+    reading a split tensor)."""
 
     layers: tuple[int, ...]  # in order, consecutive
     strategies: tuple[str, ...]
@@ -655,7 +660,8 @@ def _merge(cones: list[dict[int, str]]) -> list[dict[int, str]]:
 
 def standalone(layer, tp: int, *, spatial: bool = False, sharded: bool = False) -> tuple[str, ...]:
     """The strategies ``layer`` can run alone, whole at its edges: replicate; a column layer gathering its
-    output; a row layer slicing its input (or an embedding split by vocabulary)."""
+    output (for every reader: a row reader then slices it); a row layer slicing its input (or an embedding
+    split by vocabulary)."""
     out = ["replicate"]
     for strategy in ("column", "row"):
         if tp > 1 and tp_refusal(layer, strategy, tp, spatial=spatial, sharded=sharded) is None:
@@ -692,20 +698,40 @@ def _origins(graph) -> tuple[list[float], list[float]]:
     return lo, hi
 
 
-def crossings(graph) -> dict[int, tuple[float, int, bool, float]]:
-    """``{value: (origin block, last block that reads it, needs a gradient, latest block it depends on)}`` for
-    each value passed to a block that a stage holding that block may have to receive: it crosses every cut
-    before a block ``b`` with ``origin < b <= last`` (``_origins``)."""
+def passes(graph) -> list[tuple[int, int, int, float, float, bool]]:
+    """``(value, block, source, first, latest, needs a gradient)`` for each tensor passed to a block call: the block
+    it is passed to, the layer that made it, and the first and latest block a stage must hold to compute it
+    (``_origins``). A stage that starts at block ``b`` must receive it where ``first < b <= block`` (and cannot
+    compute it at all where ``first < b <= latest``). One tensor may be passed on (a dropout of zero returns its
+    input): each pass counts with its own source."""
+    if "_passes" in graph.__dict__:
+        return graph.__dict__["_passes"]
     lo, hi = _origins(graph)
-    out: dict[int, tuple[float, int, bool, float]] = {}
+    out = []
     for call in graph.block_calls:
         for arg in call.args:
-            first, latest = (-1, -1) if arg.source == -1 else (lo[arg.source], hi[arg.source]) \
-                if arg.source >= 0 else (math.inf, -math.inf)
-            if first < call.block:
-                _, last, grad, _ = out.get(arg.value, (first, call.block, arg.requires_grad, latest))
-                out[arg.value] = (first, max(last, call.block), grad, latest)
+            if arg.source == -1:
+                first, latest = -1, -1
+            elif arg.source >= 0:
+                first, latest = lo[arg.source], hi[arg.source]
+            else:
+                continue  # a constant or a parameter: every stage has it
+            out.append((arg.value, call.block, arg.source, first, latest, arg.requires_grad))
+    graph.__dict__["_passes"] = out
     return out
+
+
+def _crossing(graph, b: int) -> list[tuple[int, int, int, float, float, bool]]:
+    """The passes a stage starting at block ``b`` must receive (those of its own blocks and later ones)."""
+    return [p for p in passes(graph) if p[3] < b <= p[1]]
+
+
+def crossing_sources(graph) -> dict[int, frozenset[int]]:
+    """``{block: the layers whose outputs (or views of them) cross a cut before it}`` (cached on the graph): a
+    stage may start there only where each is whole over tp."""
+    if "_sources" not in graph.__dict__:
+        graph.__dict__["_sources"] = {b: frozenset(p[2] for p in _crossing(graph, b)) for b in graph.block_starts}
+    return graph.__dict__["_sources"]
 
 
 def stage_cut_refusal(graph, block: int) -> str | None:
@@ -743,21 +769,15 @@ def _cut_table(graph) -> dict[int, str | None]:
             if block < b <= later:
                 refuse(b, f"block {graph.blocks[block]!r} runs again after {graph.blocks[later]!r}: the model does "
                           "not call its blocks one after another")
-    grads: dict[int, int] = {}
-    both: set[int] = set()
-    for first, last, grad, latest in crossings(graph).values():
-        for b in starts:
-            if grad and first < b <= last:
-                grads[b] = grads.get(b, 0) + 1
-            if first < b <= latest:
-                both.add(b)
-    for b, count in grads.items():
-        if count > 1:
-            refuse(b, f"{count} tensors that need a gradient cross there (a skip connection; a pipeline sends one "
-                      "activation and its gradient)")
-    for b in both:
-        refuse(b, "the model's own code combines values from blocks on both sides of the cut; cut where its "
-                  "forward passes one block's output to the next")
+    for b in starts:
+        crossing = _crossing(graph, b)
+        grads = {value for value, _, _, _, _, grad in crossing if grad}
+        if len(grads) > 1:
+            refuse(b, f"{len(grads)} tensors that need a gradient cross there (a skip connection; a pipeline sends "
+                      "one activation and its gradient)")
+        if any(first < b <= latest for _, _, _, first, latest, _ in crossing):
+            refuse(b, "the model's own code combines values from blocks on both sides of the cut; cut where its "
+                      "forward passes one block's output to the next")
     lo, _ = _origins(graph)
     out = min((lo[i] for i in graph.outputs), default=math.inf)
     for b in starts:
@@ -766,6 +786,22 @@ def _cut_table(graph) -> dict[int, str | None]:
                       "outside the blocks, before the cut")
     graph.__dict__["_cuts"] = table
     return table
+
+
+def checkpointed_stages_refusal(graph) -> str | None:
+    """Why pipeline stages of this model cannot recompute their blocks in backward (activation checkpointing): a
+    stage replaces what a block is passed by what the stage before sent, and a block the forward calls more
+    than once could not be told apart from its own recomputation. ``None`` if they can."""
+    if graph.is_chain:
+        return None
+    counts: dict[int, int] = {}
+    for call in graph.block_calls:
+        counts[call.block] = counts.get(call.block, 0) + 1
+    again = next((b for b, n in counts.items() if n > 1), None)
+    if again is None:
+        return None
+    return (f"block {graph.blocks[again]!r} runs {counts[again]} times in a forward, so pipeline stages cannot "
+            "recompute it with activation checkpointing; turn checkpointing off, or use no pipeline")
 
 
 def _not_rebuilt(structure) -> str | None:
@@ -783,7 +819,8 @@ def _not_rebuilt(structure) -> str | None:
 @dataclass(frozen=True)
 class StageInterface:
     """The values a stage receives from the stage before it and sends to the next (``BlockArg.value`` ids, in
-    order): the first stage receives the model input, the last returns the model's output."""
+    order). The first stage takes the model input (and receives none); the last returns the model's output
+    (and sends none)."""
 
     receives: tuple[int, ...]
     sends: tuple[int, ...]
@@ -795,6 +832,6 @@ def stage_interfaces(graph, groups: list[list[str]]) -> list[StageInterface]:
     starts = [min(index[name] for name in group) for group in groups[1:]]
     receives: list[list[int]] = [[]]
     for b in starts:
-        receives.append(sorted(v for v, (first, last, _, _) in crossings(graph).items() if first < b <= last))
+        receives.append(sorted({p[0] for p in _crossing(graph, b)}))
     return [StageInterface(tuple(receives[s]), tuple(receives[s + 1]) if s + 1 < len(receives) else ())
             for s in range(len(receives))]

@@ -330,9 +330,14 @@ def _setting(cluster, c, mesh, m, z, ckpt, schedule: str = "1f1b", num_stages: i
 
 
 def legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
-    """Layers a stage may start at: 0, and each of the graph's stage starts (a block's first layer, one
-    tensor crossing) where the activation that crosses is whole over tp."""
-    return [0] + [i for i in graph.stage_starts if chain.layouts[i - 1] == R]
+    """Layers a stage may start at: 0, and each of the graph's stage starts (a block's first layer where the rules
+    allow a cut) where everything that crosses is whole over tp (``rules.crossing_sources``; a graph built by
+    hand, without blocks: the layer before)."""
+    if not graph.blocks:
+        return [0] + [i for i in graph.stage_starts if chain.layouts[i - 1] == R]
+    sources = rules.crossing_sources(graph)
+    block_of = {first: b for b, first in graph.block_starts.items()}
+    return [0] + [i for i in graph.stage_starts if all(chain.layouts[p] == R for p in sources[block_of[i]])]
 
 
 def price(graph: ModelGraph, cluster: ClusterSpec, c: Constraints, mesh, m: int, z: int, ckpt: bool,
@@ -413,7 +418,7 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
             log.fail(mesh, f"pp={pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would take "
                            "per micro-batch, unlike one process on the batch")
             continue
-        total += len(_settings(c, mesh))
+        total += len(_settings(c, mesh, graph))
         pending.append((_layer_floor(graph, heaviest, cluster, c, mesh, c.global_batch // dp, cache), next(order),
                         mesh, None))
     heapq.heapify(pending)
@@ -429,7 +434,7 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
             # Every cost is affine in the micro-batch with a non-negative constant, so one micro-batch of
             # 1/m of the samples takes at least 1/m of the time.
             floor = _floor(graph, cluster, c, mesh, c.global_batch // mesh[0], cache)
-            for m, z, ckpt in _settings(c, mesh):
+            for m, z, ckpt in _settings(c, mesh, graph):
                 heapq.heappush(pending, (floor.bound(m, mesh[3], ckpt, 1 / m), next(order), mesh, (m, z, ckpt)))
             continue
         m, z, ckpt = setting
@@ -523,12 +528,15 @@ class _Floor:
         return (m - 1) * max(total / pp, self.layer * scale) + total
 
 
-def _settings(c: Constraints, mesh) -> list[tuple[int, int, bool]]:
-    """The ``(micro-batches, ZeRO level, checkpointing)`` the search tries on ``mesh``."""
+def _settings(c: Constraints, mesh, graph: ModelGraph) -> list[tuple[int, int, bool]]:
+    """The ``(micro-batches, ZeRO level, checkpointing)`` the search tries on ``mesh`` (no checkpointed
+    pipeline stages where ``rules.checkpointed_stages_refusal`` says so)."""
     dp, grid, _, pp = mesh
     levels = c.sharding if dp * math.prod(grid) > 1 else (0,)
-    return [(m, z, ckpt) for m in micro_batch_counts(c.global_batch // dp, pp, c) for z in levels
-            for ckpt in c.checkpointing]
+    ckpts = c.checkpointing
+    if pp > 1 and rules.checkpointed_stages_refusal(graph):
+        ckpts = tuple(k for k in ckpts if not k)
+    return [(m, z, ckpt) for m in micro_batch_counts(c.global_batch // dp, pp, c) for z in levels for ckpt in ckpts]
 
 
 def _layer_floor(graph, layer, cluster, c, mesh, micro_batch, cache) -> float:
