@@ -3,12 +3,15 @@
 # build and then `pip install -e .` (the project itself asks only for torch>=2.6).
 VENV ?= .venv
 BIN := $(VENV)/bin
+# PyPI's torch for Linux is the CUDA build (about 2.7 GB); a CPU-only machine gets the small CPU build with
+#   make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 
 .PHONY: demo test
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
@@ -21,4 +24,5 @@ demo: $(VENV)/.installed
 	$(BIN)/hybridpar train configs/cosmoflow.toml
 
 test: $(VENV)/.installed
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest

@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
-import numpy as np
 import torch
 
 from hybridpar.data.hdf5 import COSMOFLOW, CountingFile, SampleFormat, SlabDataset, list_files
 from hybridpar.data.synth import synth_cosmoflow
 from hybridpar.errors import HybridparError
-from hybridpar.spatial.geometry import Grid
+from hybridpar.geometry import Grid
 
 CHANNELS_LAST, CHANNELS_FIRST = "channels_last", "channels_first"
 GRIDS_LAST = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1))
@@ -146,7 +145,7 @@ class Samples:
     num_samples: int
 
     @classmethod
-    def of(cls, paths: list[Path], layout: str, crop: int | None) -> "Samples":
+    def of(cls, paths: list[Path], layout: str, crop: int | None) -> Samples:
         ds = SlabDataset(paths, io_format(layout, "none"), crop=crop)
         with h5py.File(paths[0], "r") as f:
             stored, itemsize = f["full"].shape, f["full"].dtype.itemsize

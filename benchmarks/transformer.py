@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name} ({plan.describe()}): {time.perf_counter() - start:.0f} s")
     lines = [f"`python benchmarks/transformer.py` on {datetime.date.today()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}: GPT {MODEL}, global batch {BATCH}, float32, Adam, {PROCS} processes; "
-             f"{args.warmup} warm-up + {args.steps} timed steps; run time {(time.perf_counter() - begin) / 60:.1f} min.",
+             f"{args.warmup} warm-up + {args.steps} timed steps; "
+             f"run time {(time.perf_counter() - begin) / 60:.1f} min.",
              "", *table(rows, next(iter(rows)))]
     print("\n".join(lines))
     if args.markdown:

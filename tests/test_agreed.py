@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from hybridpar.errors import ConfigError, DataError
 from hybridpar.plan import Plan
-from hybridpar.train.loop import _check_same_data, agreed, check_same_plan
+from hybridpar.train.agree import agreed, check_same_data, check_same_plan
 
 HANG = 30  # seconds: a rank that kept going would wait in the all-reduce below; the harness calls it a hang
 
@@ -23,11 +23,11 @@ def _batches(fail_at: int | None, count: int = 4):
 def consume(fail_rank: int | None, short_rank: int | None = None) -> tuple[list[int], str | None]:
     """Iterate, doing one collective per batch as training does; returns the batches seen and the error.
     ``fail_rank`` fails reading batch 2; ``short_rank`` has only 3 batches."""
-    run = SimpleNamespace(device=torch.device("cpu"))
     rank = dist.get_rank()
     seen = []
     try:
-        for item in agreed(run, _batches(2 if rank == fail_rank else None, 3 if rank == short_rank else 4)):
+        batches = _batches(2 if rank == fail_rank else None, 3 if rank == short_rank else 4)
+        for item in agreed(batches, torch.device("cpu")):
             dist.all_reduce(torch.ones(1))
             seen.append(item)
     except DataError as err:
@@ -51,11 +51,11 @@ def test_ranks_running_out_at_different_steps_is_an_error_everywhere(dist2):
 
 
 def check_files(odd_rank: int | None) -> str | None:
-    """``_check_same_data`` where ``odd_rank`` skipped one file the others could read."""
+    """``check_same_data`` where ``odd_rank`` skipped one file the others could read."""
     names = ["a.h5", "b.h5", "c.h5"][: 2 if dist.get_rank() == odd_rank else 3]
     train_set = SimpleNamespace(infos=[SimpleNamespace(path=name) for name in names])
     try:
-        _check_same_data(SimpleNamespace(train_set=train_set, val_set=None))
+        check_same_data([train_set])
     except DataError as err:
         return str(err)
     return None
@@ -82,4 +82,5 @@ def check_plans(odd_rank: int | None) -> str | None:
 def test_ranks_with_other_plans_are_refused_before_the_mesh(dist2):
     assert dist2.run(check_plans, timeout=HANG, odd_rank=None) == [None, None]
     errors = dist2.run(check_plans, timeout=HANG, odd_rank=1)
-    assert errors[0] == errors[1] and "rank 1 took another plan from plan = 'auto' than rank 0 (dp=2 vs dp=1 spatial=2x1x1)" in errors[0]
+    assert errors[0] == errors[1]
+    assert "rank 1 took another plan from plan = 'auto' than rank 0 (dp=2 vs dp=1 spatial=2x1x1)" in errors[0]

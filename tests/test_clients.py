@@ -225,7 +225,7 @@ def searched(name: str, devices: int, top: int = 3, **constraints):
 def test_the_plans_the_search_proposes_pass_the_runtimes_checks(name):
     """For 2, 4 and 8 devices, the search's three best plans pass ``check_plan`` (what ``parallelize`` checks
     before any communication): one set of rules for both."""
-    from hybridpar.parallel.apply import check_plan
+    from hybridpar.parallel.plan_check import check_plan
 
     for devices in (2, 4, 8):
         model, x, plans = searched(name, devices)

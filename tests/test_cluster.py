@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-from hybridpar.calibrate import LARGE_FACTOR, Settings, _large_row, fit_p2p, fit_ring
+from hybridpar.calibrate.compute import _large_row
+from hybridpar.calibrate.fit import fit_p2p, fit_ring
+from hybridpar.calibrate.settings import LARGE_FACTOR, Settings
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
 from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ConvRate, GiB, Link, OpRate, preset
@@ -283,9 +285,9 @@ def test_the_large_positions_row_is_measured_for_thin_pairs_and_scaled_from_the_
 
 _FAULTS_OF_A_FRESH_TENSOR = """
 import resource, sys, torch
-from hybridpar.calibrate import _allocate_as_in_training
+from hybridpar.calibrate.memory import allocate_as_in_training
 if sys.argv[1] == "raised":
-    _allocate_as_in_training()
+    allocate_as_in_training()
 torch.empty(2**24, dtype=torch.uint8).fill_(1)  # 16 MiB allocated, touched and freed
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 torch.empty(2**24, dtype=torch.uint8).fill_(1)  # again: the same pages from the heap, or fresh ones

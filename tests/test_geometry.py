@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.errors import GeometryError
-from hybridpar.spatial.geometry import Grid, Piece, TransposedWindow, Window, plan_exchange, split_bounds
+from hybridpar.geometry import Grid, Piece, TransposedWindow, Window, plan_exchange, split_bounds
 
 NUMPY_MODE = {"zeros": "constant", "circular": "wrap", "reflect": "reflect", "replicate": "edge"}
 

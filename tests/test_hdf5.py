@@ -11,7 +11,7 @@ import torch
 
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches
 from hybridpar.errors import DataError
-from hybridpar.spatial.geometry import Grid
+from hybridpar.geometry import Grid
 
 RAW = SampleFormat("full", "unitPar", "vector", "channels_last", "none")
 

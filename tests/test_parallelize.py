@@ -12,17 +12,17 @@ import torch.nn.functional as F
 
 import harness
 from equivalence import TOL, check_step, plan_mesh, replica_slice
-from models import Attention
+from hybridpar import parallelize
 from hybridpar.errors import PlanError
 from hybridpar.mesh import AXES
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import gpt, lm_loss
-from hybridpar import parallelize
 from hybridpar.parallel import checkpoint
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import cluster_of, graph_of, search_plans
 from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
+from models import Attention
 
 BATCH, T, VOCAB = 8, 8, 16
 

@@ -9,18 +9,18 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from models import Attention, TinyCosmoFlow, TinyUNet
 from torch.utils.flop_counter import FlopCounterMode
 
 from hybridpar.errors import GeometryError, PlanError
+from hybridpar.geometry import Window, plan_exchange, split_bounds
 from hybridpar.models import gpt
 from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, rules, search_plans, validate
 from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
-from hybridpar.plan.layers import check_grid, layer_options
+from hybridpar.plan.options import check_grid, layer_options
 from hybridpar.plan.search import Constraints, _context, best_chain, legal_starts, meshes, micro_batch_counts, price
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.validate import chain_of
-from hybridpar.spatial.geometry import Window, plan_exchange, split_bounds
+from models import Attention, TinyCosmoFlow, TinyUNet
 
 REL = 1e-9  # the search and the brute force add the same float terms in other orders
 
@@ -218,7 +218,8 @@ def test_the_spatial_runtime_pays_its_copies_and_its_split_norms():
     bandwidth = spec.memory_bandwidth
     conv = by_name["mid.0"]  # (2, 4, 8, 8, 8) -> (2, 8, 8, 8, 8), k = 3: a half gets one 8 x 8 row from its neighbour
     slab = layer_options(conv, graph, split)[0]
-    half = cost.layer_times("conv", "Conv3d", conv.flops / 2, (conv.bytes_moved - conv.param_bytes) / 2 + conv.param_bytes,
+    moved = (conv.bytes_moved - conv.param_bytes) / 2 + conv.param_bytes
+    half = cost.layer_times("conv", "Conv3d", conv.flops / 2, moved,
                             spec, "float32", has_weight=True, input_grad=True, channels=(4, 8), positions=2 * 8**3 / 2)
     copy = 2 * (2 * 4 * 4 * 8 * 8 * 4 + 2 * 4 * 8 * 8 * 4) / bandwidth  # read + write of the slab and its halo
     assert (slab.forward, slab.time - slab.forward - sum(slab.comm.values())) == pytest.approx((half[0] + copy,

@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from models import TinyUNet
 
 from hybridpar.errors import PlanError
-from hybridpar.parallel.apply import check_plan
+from hybridpar.parallel.plan_check import check_plan
 from hybridpar.parallel.tensor import check_strategies, pair_strategies
 from hybridpar.plan import check_grid, graph_of, rules
 from hybridpar.plan.types import Plan
+from models import TinyUNet
 
 transformers = pytest.importorskip("transformers")
 monai = pytest.importorskip("monai")

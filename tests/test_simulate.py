@@ -4,14 +4,14 @@ PNG, the table and JSON, one-line errors, and the models by name it plans."""
 import json
 
 import pytest
-from argv import with_options
 
+from argv import with_options
 from hybridpar.cli import main
+from hybridpar.cli.args import device_counts
 from hybridpar.errors import ClusterError, HybridparError
 from hybridpar.models.registry import build_for_planning, known_names
 from hybridpar.plan import graph_of
 from hybridpar.simulate import default_families, family_name, global_batches, plot, scaling
-from hybridpar.simulate_cli import device_counts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 COUNTS = (8, 16, 32, 64)
@@ -139,7 +139,7 @@ def test_cli_json(capsys, tmp_path, monkeypatch):
     ({"--devices": "8:100"}, "--devices '8:100': 100 is not 8 doubled"),
     ({"--devices": "eight"}, "--devices 'eight': give device counts"),
     ({"--devices": "8,12"}, "12 devices: not a whole number of 8-device a100-80 nodes"),
-    ({"--model": "resnet"}, "--model 'resnet': use one of cosmoflow, unet3d, gpt2-small"),
+    ({"--model": "resnet"}, "model 'resnet': use one of cosmoflow, unet3d, gpt2-small"),
     ({"--model": "nosuchpkg.mod:f"}, "cannot import 'nosuchpkg.mod'"),
     ({"--families": "dp,data"}, "family 'data': name the kinds of parallelism"),
     ({"--batch": "1", "--devices": "2,3"}, "gives 1 x 3 / 2 = 1.5 samples at 3 devices"),
@@ -173,7 +173,7 @@ def test_build_for_planning_each_known_name(name):
 
 
 def test_build_for_planning_errors():
-    with pytest.raises(HybridparError, match=r"--model 'resnet': use one of cosmoflow, unet3d, gpt2-small.*gpt3-175b"):
+    with pytest.raises(HybridparError, match=r"model 'resnet': use one of cosmoflow, unet3d, gpt2-small.*gpt3-175b"):
         build_for_planning("resnet", (1, 4, 32, 32, 32))
     with pytest.raises(HybridparError, match="cubic volume"):
         build_for_planning("cosmoflow", (1, 4, 32, 32))

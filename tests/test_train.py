@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 from hybridpar.plan import Plan, preset
 from hybridpar.plan.io import write_cluster
-from hybridpar.train import checkpoint, metrics
+from hybridpar.train import checkpoint_dir, metrics
 from hybridpar.train.config import load
-from hybridpar.train.loop import build_model, datasets
+from hybridpar.train.tasks.volumes import build_model, datasets
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # each test trains through the CLI in fresh workers
 
@@ -115,7 +115,7 @@ def final_weights(config_path: Path) -> dict[str, torch.Tensor]:
     config = load(config_path)
     model = build_model(config, datasets(config, torch.float64)[0]).double()
     state = {"model": model.state_dict()}
-    step, path = checkpoint.checkpoints(Path(config.run_dir) / "checkpoints")[-1]
+    step, path = checkpoint_dir.checkpoints(Path(config.run_dir) / "checkpoints")[-1]
     dcp.load(state, checkpoint_id=path)
     return state["model"]
 
@@ -167,20 +167,23 @@ def test_resume_equals_uninterrupted(tmp_path, cosmo_data):
     # a crash in the middle of saving step 3 leaves a .partial directory: resume must ignore it
     (tmp_path / "part" / "checkpoints" / "step_00000003.partial").mkdir()
     hybridpar("train", part, "--nproc", 2, "--resume")
+    finished = hybridpar("train", part, "--nproc", 2, "--resume")  # at once: no worker starts
+    assert "finished its 4 steps already (nothing to train)" in finished.stdout
+    assert not (tmp_path / "part" / "plan.json").exists(), "the [mesh] section is the plan: no plan.json"
     a, b = metrics.read(tmp_path / "full" / "metrics.jsonl"), metrics.read(tmp_path / "part" / "metrics.jsonl")
     assert [(r["step"], r["split"]) for r in a] == [(r["step"], r["split"]) for r in b]
     for ra, rb in zip(a, b):
         assert ra.get("loss") == rb.get("loss") and ra.get("mae") == rb.get("mae"), f"step {ra['step']}"
     for name, w in final_weights(full).items():
         torch.testing.assert_close(final_weights(part)[name], w, rtol=0, atol=0)
-    assert [s for s, _ in checkpoint.checkpoints(tmp_path / "part" / "checkpoints")] == [2, 4]
+    assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "part" / "checkpoints")] == [2, 4]
 
 
 def test_checkpoint_listing_ignores_unfinished(tmp_path):
     for name in ("step_00000002", "step_00000004.partial", "step_00000006", "other"):
         (tmp_path / name).mkdir()
     (tmp_path / "step_00000002" / ".metadata").write_bytes(b"")
-    assert checkpoint.checkpoints(tmp_path) == [(2, tmp_path / "step_00000002")]
+    assert checkpoint_dir.checkpoints(tmp_path) == [(2, tmp_path / "step_00000002")]
 
 
 def expect_error(*args, match: str) -> str:
@@ -327,9 +330,12 @@ def test_plans_that_do_not_fit_the_model_are_refused_before_any_worker(tmp_path,
     refused(Plan(dp=1, spatial=(1, 1, 1), tp=2, layers=(("features.9", "column"),), **fits),
             match="plan.json: layer 'features.9'")
     refused(Plan(dp=2, spatial=(1, 1, 1), tp=2, sharding=3, layers=(("features.0", "column"),), **fits),
-            match="layer 'features.0' (Conv3d) cannot run 'column': FSDP / ZeRO (sharding > 0) does not run channel-split")
+            match="layer 'features.0' (Conv3d) cannot run 'column': "
+                  "FSDP / ZeRO (sharding > 0) does not run channel-split")
     refused(Plan(dp=1, spatial=(1, 1, 1), pp=2, micro_batches=2, stages=("head.9",), **fits),
             match="a stage cannot start at 'head.9'")
+    refused(Plan(dp=2, spatial=(1, 1, 1), model="unet3d", **fits),
+            match="plan.json is a plan for model 'unet3d', but the config trains 'cosmoflow'; make a plan for this")
     refused(Plan(dp=4, spatial=(1, 1, 1), **fits), "--nproc", 2,
             match="plan.json: the plan (dp=4) needs 4 processes, but the world size is 2")
     refused(Plan(dp=2, spatial=(1, 1, 1), **{**fits, "global_batch": 8}),

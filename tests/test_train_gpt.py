@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import expect_error, hybridpar
 
 from hybridpar.data.tokens import MarkovTokens
 from hybridpar.errors import HybridparError
@@ -18,7 +17,8 @@ from hybridpar.plan import graph_of, preset
 from hybridpar.plan.io import write_cluster
 from hybridpar.plan.types import Plan
 from hybridpar.train import load, metrics
-from hybridpar.train.loop import check
+from hybridpar.train.trainer import check
+from test_train import expect_error, hybridpar
 
 pytestmark = pytest.mark.slow  # each test trains through the CLI in fresh worker processes
 
@@ -85,7 +85,8 @@ def test_resumed_under_another_plan_and_world_size_equals_one_process(tmp_path):
     first = config(tmp_path / "a.toml", tmp_path / "par", top=f'plan = "{plan_file(tmp_path / "a.json", dp=2, tp=2)}"')
     proc = hybridpar("train", first, "--stop-after", 3)
     assert "trained steps 0..3 on dp=2 tp=2 in" in proc.stdout, proc.stdout
-    second = config(tmp_path / "b.toml", tmp_path / "par", top=f'plan = "{plan_file(tmp_path / "b.json", pp=2, stages=("blocks.2.ln_1",), micro_batches=2)}"')
+    second_plan = plan_file(tmp_path / "b.json", pp=2, stages=("blocks.2.ln_1",), micro_batches=2)
+    second = config(tmp_path / "b.toml", tmp_path / "par", top=f'plan = "{second_plan}"')
     proc = hybridpar("train", second, "--resume")
     assert "trained steps 3..6 on dp=1 pp=2 (m=2) in" in proc.stdout, proc.stdout
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "par")

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from hybridpar.mesh import accelerator_type
+
 
 def launch_local(entrypoint, args: tuple, nproc: int) -> dict[int, object]:
     """Run ``entrypoint(*args)`` on ``nproc`` local workers; returns each local rank's return value."""
@@ -30,12 +32,14 @@ def launch_local(entrypoint, args: tuple, nproc: int) -> dict[int, object]:
 
 
 def init_distributed(timeout_s: float = 300.0) -> None:
-    """Join the process group that ``torchrun`` or ``launch_local`` set up (gloo on CPU, NCCL on GPU).
+    """Join the process group that ``torchrun`` or ``launch_local`` set up, with PyTorch's backend for the
+    accelerator at hand (gloo on CPU, NCCL on CUDA GPUs).
 
     Each restart attempt of the elastic agent gets its own store prefix, so restarted workers do not
     collide with the keys of the attempt before. On GPUs each worker takes GPU ``LOCAL_RANK`` of its node.
     """
-    if torch.cuda.is_available():
+    device = accelerator_type()
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -46,7 +50,7 @@ def init_distributed(timeout_s: float = 300.0) -> None:
         is_master=rank == 0 and not agent_store, timeout=timedelta(seconds=timeout_s),
     )
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = dist.Backend.default_device_backend_map.get(device, "gloo")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 

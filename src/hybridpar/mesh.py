@@ -1,69 +1,53 @@
-"""Named parallel degrees and the one DeviceMesh built from them.
+"""The one DeviceMesh of a run, built from its named parallel degrees (``hybridpar.dims``).
 
-``ParallelDims(dp=2, spatial=(2, 1, 1))`` describes a run; ``build_mesh`` turns it into a
-``DeviceMesh`` whose axes are named ``dp``, ``spatial``, ``tp`` and ``pp`` (an axis of size 1 is
-kept, so code can always ask for it by name). The spatial axis is one mesh axis of size
-``prod(spatial)``; the grid is the row-major factorisation of that axis.
+``build_mesh(ParallelDims(dp=2, spatial=(2, 1, 1)), world_size)`` gives a ``DeviceMesh`` whose axes are named
+``pp``, ``dp``, ``spatial`` and ``tp``, on the accelerator at hand (``accelerator_type``: a GPU node's meshes are
+CUDA meshes, a laptop's CPU ones); ``flat_mesh`` and ``flat_group`` span several of its axes at once.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hybridpar.dims import AXES, ParallelDims
 from hybridpar.errors import MeshError
 
-AXES = ("pp", "dp", "spatial", "tp")
+
+def accelerator_type() -> str:
+    """The type of the accelerator this process can use (``cuda`` on a GPU node), or ``cpu``."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Parallel degrees of one run. ``spatial`` gives parts per spatial dim, ``(D, H, W)`` or ``(H, W)``."""
-
-    dp: int = 1
-    spatial: tuple[int, ...] = (1,)
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self):
-        object.__setattr__(self, "spatial", tuple(self.spatial))
-        for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise MeshError(f"{name}={value!r}: every parallel degree must be an integer >= 1")
-        if not self.spatial or any(not isinstance(p, int) or p < 1 for p in self.spatial):
-            raise MeshError(
-                f"spatial={self.spatial!r}: give a tuple of parts per spatial dim, each an integer >= 1, "
-                "e.g. spatial=(2, 1, 1) to split the depth of a 3D volume in two"
-            )
-
-    @property
-    def num_spatial(self) -> int:
-        return math.prod(self.spatial)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.num_spatial * self.tp
-
-    def sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "spatial": self.num_spatial, "tp": self.tp}
-
-    def describe(self) -> str:
-        grid = "x".join(map(str, self.spatial))
-        return f"pp={self.pp} x dp={self.dp} x spatial={grid} ({self.num_spatial}) x tp={self.tp}"
-
-    def check_world_size(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise MeshError(
-                f"{self.describe()} = {self.world_size} ranks, but the world size is {world_size}; "
-                "change the degrees so that they multiply to the world size"
-            )
-
-
-def build_mesh(dims: ParallelDims, world_size: int, device_type: str = "cpu") -> DeviceMesh:
-    """One DeviceMesh with axes ``(pp, dp, spatial, tp)``, checked against ``world_size`` first."""
+def build_mesh(dims: ParallelDims, world_size: int, device_type: str | None = None) -> DeviceMesh:
+    """One DeviceMesh with axes ``(pp, dp, spatial, tp)``, checked against ``world_size`` first, on
+    ``device_type`` (default: the accelerator at hand, else the CPU)."""
     dims.check_world_size(world_size)
     sizes = dims.sizes()
-    return init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+    return init_device_mesh(device_type or accelerator_type(), tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+
+
+def device_of(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on in ``mesh``: the CPU, or its accelerator's current device."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def flat_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D mesh spanning ``axes`` of ``mesh`` (the mesh itself if it is those axes and 1-D)."""
+    names = mesh.mesh_dim_names or ()
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise MeshError(f"mesh axes {names} lack {missing}; build the mesh with hybridpar.mesh.build_mesh")
+    sub = mesh[axes] if tuple(names) != tuple(axes) else mesh
+    return sub if sub.ndim == 1 else sub._flatten()
+
+
+def flat_group(mesh: DeviceMesh, axes: tuple[str, ...]):
+    """One process group spanning ``axes`` of ``mesh``."""
+    return flat_mesh(mesh, axes).get_group()
+
+
+__all__ = ["AXES", "ParallelDims", "accelerator_type", "build_mesh", "device_of", "flat_group", "flat_mesh"]

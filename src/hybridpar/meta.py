@@ -30,7 +30,7 @@ class DataDependentError(RuntimeError):
     """A forward used the value of a tensor that depends on the model's weights (or is too large to keep)."""
 
 
-def meta_copy(model: nn.Module, values: "Values | None" = None, dtype: torch.dtype | None = None) -> nn.Module:
+def meta_copy(model: nn.Module, values: Values | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers live on the meta device (floating ones in ``dtype``, if
     given); ``values`` (if given) keeps the real value of each small buffer. Process groups and meshes are
     shared, not copied."""

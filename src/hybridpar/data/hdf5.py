@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hybridpar.errors import DataError
-from hybridpar.spatial.geometry import Grid
+from hybridpar.geometry import Grid
 
 LAYOUTS = {"DHWC": "channels_last", "CDHW": "channels_first"}
 TRANSFORMS = ("log1p", "none")
@@ -73,8 +73,9 @@ class FileInfo:
     target_shape: tuple[int, ...]
 
 
-def list_files(spec: str | os.PathLike, where: str) -> list[Path]:
-    """The ``.h5`` / ``.hdf5`` files of a directory, or the files a glob pattern matches, sorted."""
+def list_files(spec: str | os.PathLike, where: str, generate: str = "synth-cosmoflow") -> list[Path]:
+    """The ``.h5`` / ``.hdf5`` files of a directory, or the files a glob pattern matches, sorted; where there are
+    none, the error suggests ``hybridpar data GENERATE``."""
     path = Path(spec)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".h5", ".hdf5"))
@@ -82,7 +83,7 @@ def list_files(spec: str | os.PathLike, where: str) -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(str(spec)))
     if not files:
         raise DataError(f"{where} = {str(spec)!r}: no HDF5 files there (a directory of .h5 files or a glob); "
-                        f"generate some with `hybridpar data synth-cosmoflow --out DIR ...`")
+                        f"generate some with `hybridpar data {generate} --out DIR ...`")
     return files
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler
 
 from hybridpar.data.hdf5 import SlabDataset
 from hybridpar.errors import ConfigError
-from hybridpar.spatial.geometry import Grid
+from hybridpar.geometry import Grid
 
 
 class SlabLoader:

@@ -7,7 +7,8 @@ LayerNorm and a linear head to vocabulary logits. ``forward`` returns logits; th
 
 The attribute names are part of the contract: a tensor-parallel plan refers to ``blocks.*.attn.qkv`` and
 ``blocks.*.mlp.fc`` (split by output features, "column") and ``blocks.*.attn.proj`` and ``blocks.*.mlp.proj``
-(split by input features, "row"), ``embed.tok``, ``embed.pos`` and ``lm_head``. Construction under ``torch.device("meta")``
+(split by input features, "row"), ``embed.tok``, ``embed.pos`` and ``lm_head``. Construction under
+``torch.device("meta")``
 allocates nothing and is instant, so the planner can analyse ``gpt3-175b`` on a laptop; a runtime that
 materialises a meta model (``to_empty``) then calls ``init_weights``.
 """

@@ -19,8 +19,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from hybridpar.parallel.apply import ParallelModel, local_tensors
 from hybridpar.parallel.channels import _SplitConv
+from hybridpar.parallel.model import ParallelModel
+from hybridpar.parallel.state import local_tensors
 
 
 def save(parallel: ParallelModel, optimizer: torch.optim.Optimizer, path: str | Path) -> None:

@@ -14,22 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from hybridpar.errors import MeshError
-
-
-def flat_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
-    """A 1-D mesh spanning ``axes`` of ``mesh`` (the mesh itself if it is those axes and 1-D)."""
-    names = mesh.mesh_dim_names or ()
-    missing = [a for a in axes if a not in names]
-    if missing:
-        raise MeshError(f"mesh axes {names} lack {missing}; build the mesh with hybridpar.mesh.build_mesh")
-    sub = mesh[axes] if tuple(names) != tuple(axes) else mesh
-    return sub if sub.ndim == 1 else sub._flatten()
-
-
-def flat_group(mesh: DeviceMesh, axes: tuple[str, ...]):
-    """One process group spanning ``axes`` of ``mesh``."""
-    return flat_mesh(mesh, axes).get_group()
+from hybridpar.mesh import flat_group, flat_mesh
 
 
 def data_parallel(module: nn.Module, mesh: DeviceMesh, *, axes: tuple[str, ...] = ("dp", "spatial"),

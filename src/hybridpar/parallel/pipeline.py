@@ -3,7 +3,7 @@ built by hand as ``PipelineStage``s, run by its GPipe, 1F1B or interleaved 1F1B 
 
 A model's *blocks* are its top-level children, with an ``nn.Sequential`` or ``nn.ModuleList`` expanded into
 its entries and a trunk that holds one (a Hugging Face ``model.model``) expanded into its own blocks
-(``hybridpar.plan.graph.blocks``; a GPT: ``embed``, ``blocks.0`` ... ``ln_f``, ``lm_head``; a Llama:
+(``hybridpar.plan.analysis.blocks``; a GPT: ``embed``, ``blocks.0`` ... ``ln_f``, ``lm_head``; a Llama:
 ``model.embed_tokens``, ``model.rotary_emb``, ``model.layers.0`` ..., ``model.norm``, ``lm_head``). A stage
 holds a run of them and runs **the model's own forward** on a copy of the model in which every block of
 another stage is skipped: it stands in with zeros of the shapes the block returns (``StandIn``; in a model
@@ -34,7 +34,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hybridpar import meta
 from hybridpar.errors import PlanError
 from hybridpar.plan import rules
-from hybridpar.plan.graph import ModelGraph, blocks
+from hybridpar.plan.analysis import blocks
+from hybridpar.plan.graph import ModelGraph
 from hybridpar.plan.types import SCHEDULES as PLAN_SCHEDULES
 from hybridpar.plan.validate import check_stage_count, some
 
@@ -86,7 +87,7 @@ class StandIn(nn.Module):
 
     stands_in = True
 
-    def __init__(self, name: str, run: "StageRun"):
+    def __init__(self, name: str, run: StageRun):
         super().__init__()
         self.name, self.run = name, run
 
@@ -102,7 +103,7 @@ class StandIn(nn.Module):
 
 
 def zeros_like_structure(structure: tuple, device: torch.device):
-    """Zeros shaped as ``structure`` (``hybridpar.plan.graph.structure``) describes."""
+    """Zeros shaped as ``structure`` (``hybridpar.plan.trace.structure``) describes."""
     kind, rest = structure[0], structure[1:]
     if kind == "tensor":
         shape, dtype, _ = rest

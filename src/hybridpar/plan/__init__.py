@@ -9,19 +9,20 @@ prices a hand-written plan with the same code.
 from __future__ import annotations
 
 from dataclasses import replace
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
-from hybridpar.plan.graph import Layer, ModelGraph, analyse
-from hybridpar.plan.layers import check_grid
+from hybridpar.plan.graph import Layer, ModelGraph
+from hybridpar.plan.options import check_grid
 from hybridpar.plan.search import Constraints, SearchResult, search
 from hybridpar.plan.types import SCHEMA_VERSION, Plan, Prediction
 from hybridpar.plan.validate import validate
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+LAZY = ("analyse", "graph_of")  # the model analysis imports torch: loaded on first use
 
 
 def cluster_of(cluster: ClusterSpec | str) -> ClusterSpec:
@@ -33,19 +34,13 @@ def cluster_of(cluster: ClusterSpec | str) -> ClusterSpec:
     return load_cluster(cluster)
 
 
-def graph_of(model: nn.Module | ModelGraph, example_input, dtype: str = "float32") -> ModelGraph:
-    """The layer graph of ``model`` for ``example_input`` (a tensor, or a shape: float volumes; give a
-    tensor of ``torch.long`` for token ids, whose values a forward may branch on). ``dtype`` is that of the
-    parameters and activations. The analysis runs on a meta copy: ``model`` is left as it is."""
+def _graph(model: nn.Module | ModelGraph, example_input, dtype: str) -> ModelGraph:
+    """A graph as given, or the model analysed (``analysis.graph_of``: the one place the planner imports torch)."""
     if isinstance(model, ModelGraph):
         return model
-    if dtype not in DTYPES:
-        raise PlanError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    if isinstance(example_input, torch.Tensor):
-        shape, input_dtype = tuple(example_input.shape), example_input.dtype
-        input_dtype = DTYPES[dtype] if input_dtype.is_floating_point else input_dtype
-        return analyse(model, shape, DTYPES[dtype], input_dtype, example=example_input)
-    return analyse(model, tuple(example_input), DTYPES[dtype], DTYPES[dtype])
+    from hybridpar.plan.analysis import graph_of
+
+    return graph_of(model, example_input, dtype)
 
 
 def search_plans(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | str, *,
@@ -53,7 +48,7 @@ def search_plans(model: nn.Module | ModelGraph, example_input, cluster: ClusterS
     """Ranked plans (fastest first) and, per family of strategies, why it lost or did not fit.
     ``constraints``: the fields of :class:`Constraints` (``dp``, ``spatial``, ``tp``, ``pp``, ``sharding``,
     ``checkpointing``, ``optimizer``, ``max_micro_batches``, ``overlap_halo``, ``top``)."""
-    graph = graph_of(model, example_input, dtype)
+    graph = _graph(model, example_input, dtype)
     c = _constraints(graph, global_batch, dtype, constraints)
     return search(graph, cluster_of(cluster), c)
 
@@ -67,7 +62,7 @@ def plan(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | st
     """The fastest plan that fits ``cluster`` (all of its devices), or a ``PlanError`` saying what would fit.
     ``global_batch`` defaults to the example input's batch. ``hints`` limits what that message may suggest
     (``devices``, ``batch``, ``constraints``): leave out ``constraints`` when the caller, not the user, set them."""
-    graph = graph_of(model, example_input, dtype)
+    graph = _graph(model, example_input, dtype)
     spec = cluster_of(cluster)
     c = _constraints(graph, global_batch, dtype, constraints)
     result = search(graph, spec, c)
@@ -143,6 +138,14 @@ def _other_batch(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> lis
             out.append(f"a global batch of {c.global_batch * factor} (more samples for data parallelism)")
             break
     return out
+
+
+def __getattr__(name: str):
+    if name in LAZY:
+        from hybridpar.plan import analysis
+
+        return getattr(analysis, name)
+    raise AttributeError(f"module 'hybridpar.plan' has no attribute {name!r}")
 
 
 __all__ = ["HINTS", "PRESETS", "SCHEMA_VERSION", "ClusterSpec", "Constraints", "Layer", "Link", "ModelGraph", "Plan",

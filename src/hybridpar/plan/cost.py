@@ -24,13 +24,13 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.plan.cluster import ClusterSpec, Link
+from hybridpar.plan.types import BUCKET_BYTES
 
 CONV_KINDS = frozenset({"conv", "conv_transpose"})
 MATMUL_KINDS = frozenset({"linear", "attention", "embedding"})
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # state tensors per parameter
 OPTIMIZER_TRAFFIC = {"adam": 7, "adamw": 7, "sgd": 5}  # tensors read + written per step: p, g, states in; p, states out
 MEASURED_KERNEL = 3  # the kernel width of calibrate's conv rates
-BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket: the all-reduce left after backward ends
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Group:
     link: Link
 
     @staticmethod
-    def of(cluster: ClusterSpec, size: int, stride: int) -> "Group":
+    def of(cluster: ClusterSpec, size: int, stride: int) -> Group:
         """The group of ``size`` ranks ``stride`` apart (ranks fill a node before the next)."""
         return Group(size, cluster.link(size, spans_nodes=size > 1 and stride * size > cluster.devices_per_node))
 
@@ -192,7 +192,7 @@ def micro_batches_in_flight(stage: int, num_stages: int, num_micro_batches: int,
     return min(num_micro_batches, num_stages - stage)
 
 
-def combined(memories: list["Memory"]) -> "Memory":
+def combined(memories: list[Memory]) -> Memory:
     """The memory of one device that holds several stages (interleaved 1F1B): the sums of what they keep,
     the largest of what is transient (workspace) and the reserve once."""
     kept = (sum(getattr(m, f) for m in memories) for f in ("parameters", "gradients", "optimizer", "activations"))

@@ -27,7 +27,8 @@ TOP = {  # key -> (ClusterSpec field, unit); tables are read by their own functi
 CONV_RATE = {"dtype": ("dtype", "str"), "in_channels": ("in_channels", "int"), "out_channels": ("out_channels", "int"),
              "positions": ("positions", "int"), "forward_gflops": ("forward", "GFLOP/s"),
              "input_grad_gflops": ("input_grad", "GFLOP/s"), "weight_grad_gflops": ("weight_grad", "GFLOP/s")}
-OP_RATE = {"op": ("op", "str"), "bytes": ("bytes", "int"), "forward_gbs": ("forward", "GB/s"), "backward_gbs": ("backward", "GB/s")}
+OP_RATE = {"op": ("op", "str"), "bytes": ("bytes", "int"), "forward_gbs": ("forward", "GB/s"),
+           "backward_gbs": ("backward", "GB/s")}
 ROWS = {"conv_rates": (ConvRate, CONV_RATE), "slow_conv_rates": (ConvRate, CONV_RATE), "op_rates": (OpRate, OP_RATE)}
 LINK = {  # key -> (Link field, unit, required)
     "bandwidth_gbs": ("bandwidth", "GB/s", True), "latency_us": ("latency", "us", True),

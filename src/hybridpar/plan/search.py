@@ -16,11 +16,14 @@ from hybridpar.errors import PlanError
 from hybridpar.plan import cost, rules
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.layers import R, S, MeshContext, Option, check_grid, layer_options, redistribution, strategies
+from hybridpar.plan.options import MeshContext, Option, R, S, check_grid, layer_options, redistribution, strategies
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.types import Plan, Prediction
 
 SHARDING_LEVELS = (0, 1, 2, 3)
+
+FAMILY_ORDER = ("dp", "spatial", "tp", "pp")  # the order of the kinds of parallelism in a family's name
+ONE_DEVICE = "one device"  # the family of a plan that uses none
 
 
 @dataclass(frozen=True)
@@ -398,7 +401,8 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     layer alone; a mesh that may still win gets the bounds of its candidates (a stage as fast as an even
     split of its least chain of per-layer strategies)."""
     world, limit = cluster.num_devices, cluster.device_memory
-    all_meshes = [m for m in meshes(world, graph, c, cluster.devices_per_node) if c.families is None or family(m) in c.families]
+    all_meshes = [m for m in meshes(world, graph, c, cluster.devices_per_node)
+                  if c.families is None or family(m) in c.families]
     if not all_meshes:
         raise PlanError(_no_mesh_message(world, graph, c))
     log = _Log()
@@ -604,11 +608,11 @@ def _evaluate(graph, cluster, c, mesh, m, z, ckpt, cache, limit, beat: float) ->
 
 
 def family(mesh) -> str:
-    """The family of a mesh ``(dp, grid, tp, pp)``: the kinds of parallelism it uses, e.g. ``dp x spatial``."""
+    """The family of a mesh ``(dp, grid, tp, pp)``: the kinds of parallelism it uses, in ``FAMILY_ORDER``, e.g.
+    ``dp x spatial``."""
     dp, grid, tp, pp = mesh
-    parts = [name for name, on in (("dp", dp > 1), ("spatial", math.prod(grid) > 1), ("tp", tp > 1),
-                                   ("pp", pp > 1)) if on]
-    return " x ".join(parts) or "one device"
+    sizes = {"dp": dp, "spatial": math.prod(grid), "tp": tp, "pp": pp}
+    return " x ".join(name for name in FAMILY_ORDER if sizes[name] > 1) or ONE_DEVICE
 
 
 def _candidate(graph, cluster, c, mesh, m, z, ckpt, units, costs, limit) -> Candidate:

@@ -54,7 +54,7 @@ class Units:
     out_bytes: tuple[float, ...]  # the unit's output (what a cut after it sends)
 
     @staticmethod
-    def of(chain, starts: list[int], block_index: tuple[int | None, ...]) -> "Units":
+    def of(chain, starts: list[int], block_index: tuple[int | None, ...]) -> Units:
         """The units of ``chain`` starting at the layers ``starts``; ``block_index`` gives each layer's
         block (``ModelGraph.block_index``)."""
         bounds = list(zip(starts, starts[1:] + [len(chain.options)]))
@@ -77,22 +77,22 @@ class Units:
         return len(self.starts)
 
     @cached_property
-    def max_workspace(self) -> "RangeMax":
+    def max_workspace(self) -> RangeMax:
         return RangeMax(self.workspace)
 
     @cached_property
-    def max_largest_params(self) -> "RangeMax":
+    def max_largest_params(self) -> RangeMax:
         return RangeMax(self.largest_params)
 
     @cached_property
-    def max_saved(self) -> "RangeMax":
+    def max_saved(self) -> RangeMax:
         return RangeMax(self.saved)
 
-    def total_time(self, setting: "StageSetting") -> float:
+    def total_time(self, setting: StageSetting) -> float:
         """Sum of every unit's time under ``setting`` (a stage of all units, sends aside)."""
         return sum(self.time) + sum(_extra(self, setting))
 
-    def state_memory(self, setting: "StageSetting") -> float:
+    def state_memory(self, setting: StageSetting) -> float:
         """Model state of every unit, spread evenly over the stages: what no cut can go below."""
         params, grads, state = cost.model_state_memory(sum(self.params), setting.sharding,
                                                        setting.data_group.size, setting.optimizer)

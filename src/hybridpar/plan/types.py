@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from hybridpar.dims import ParallelDims
 from hybridpar.errors import PlanError
-from hybridpar.mesh import ParallelDims
 
 SCHEMA_VERSION = 1
 TP_STRATEGIES = ("replicate", "column", "row", "shard")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+BUCKET_BYTES = 25 * 2**20  # data parallelism's gradient bucket: DDP's default, and the runtime's own bucketed
+# all-reduce; the cost model prices the last bucket as the all-reduce left after backward ends
 SHARDING_NAMES = {0: "none (DDP)", 1: "optimizer state (ZeRO-1)", 2: "+ gradients (ZeRO-2)", 3: "+ parameters (FSDP)"}
 
 
@@ -101,7 +103,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     @staticmethod
-    def from_dict(data: dict, where: str = "plan") -> "Plan":
+    def from_dict(data: dict, where: str = "plan") -> Plan:
         if not isinstance(data, dict):
             raise PlanError(f"{where}: expected a JSON object")
         version = data.get("schema_version")
@@ -127,7 +129,7 @@ class Plan:
             raise PlanError(f"{where}: {err}") from None
 
     @staticmethod
-    def from_json(text: str, where: str = "plan") -> "Plan":
+    def from_json(text: str, where: str = "plan") -> Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:

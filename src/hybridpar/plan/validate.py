@@ -10,7 +10,7 @@ from hybridpar.errors import PlanError
 from hybridpar.plan import rules
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.layers import R, S, check_grid, redistribution
+from hybridpar.plan.options import R, S, check_grid, redistribution
 from hybridpar.plan.search import Chain, Constraints, _context, _options, legal_starts, prediction_of, price
 from hybridpar.plan.types import SCHEDULES, SHARDING_NAMES, Plan
 

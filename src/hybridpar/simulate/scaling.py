@@ -18,10 +18,9 @@ from dataclasses import dataclass, replace
 
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan import ClusterSpec, Constraints, ModelGraph, Plan, cluster_of, search_plans
+from hybridpar.plan.search import FAMILY_ORDER, ONE_DEVICE
 
 MODES = ("weak", "strong")
-AXES = ("dp", "spatial", "tp", "pp")  # the order of a family's name, as ``plan.search.family`` writes it
-ONE_DEVICE = "one device"
 
 
 @dataclass(frozen=True)
@@ -49,10 +48,10 @@ def family_name(text: str) -> str:
     if text.strip().lower() == ONE_DEVICE:
         return ONE_DEVICE
     parts = [p.strip().lower() for p in text.split("x")]
-    if not all(p in AXES for p in parts) or len(set(parts)) != len(parts):
-        raise HybridparError(f"family {text!r}: name the kinds of parallelism it uses among {', '.join(AXES)}, "
+    if not all(p in FAMILY_ORDER for p in parts) or len(set(parts)) != len(parts):
+        raise HybridparError(f"family {text!r}: name the kinds of parallelism it uses among {', '.join(FAMILY_ORDER)}, "
                              f"joined by ' x ' (e.g. 'dp', 'dp x spatial', 'dp x tp x pp'), or {ONE_DEVICE!r}")
-    return " x ".join(a for a in AXES if a in parts)
+    return " x ".join(a for a in FAMILY_ORDER if a in parts)
 
 
 def default_families(graph: ModelGraph) -> tuple[str, ...]:

@@ -19,12 +19,12 @@ from torch.utils._pytree import tree_map
 
 from hybridpar import meta
 from hybridpar.errors import GeometryError, MeshError, UnsupportedModuleError
+from hybridpar.geometry import Grid
+from hybridpar.mesh import flat_group
 from hybridpar.plan import rules
 from hybridpar.spatial import checks
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED
 from hybridpar.spatial.collectives import gather_slabs
-from hybridpar.spatial.geometry import Grid
-from hybridpar.parallel.data import flat_group
 from hybridpar.spatial.halo import ExchangeStats, SpatialComm
 from hybridpar.spatial.layers import LAYERS, SpatialLayer
 

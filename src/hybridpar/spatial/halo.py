@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybridpar.spatial.geometry import DimExchange, Grid
+from hybridpar.geometry import DimExchange, Grid
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SpatialComm:
     stats: ExchangeStats = field(default_factory=ExchangeStats)
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup, grid: Grid) -> "SpatialComm":
+    def from_group(cls, group: dist.ProcessGroup, grid: Grid) -> SpatialComm:
         size = dist.get_world_size(group)
         ranks = tuple(dist.get_global_rank(group, r) for r in range(size))
         return cls(group=group, grid=grid, rank=dist.get_rank(group), global_ranks=ranks)

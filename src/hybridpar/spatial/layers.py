@@ -20,12 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridpar.errors import UnsupportedModuleError
+from hybridpar.geometry import TransposedWindow, Window, plan_exchange, split_bounds
 from hybridpar.plan import rules
 from hybridpar.spatial import collectives
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED
-from hybridpar.spatial.geometry import TransposedWindow, Window, plan_exchange, split_bounds
 from hybridpar.spatial.halo import PendingHalo, assemble, halo_conv, rows_of
-
 
 
 def _tuple(value, n: int) -> tuple:
@@ -104,7 +103,7 @@ class SpatialConv(SpatialLayer):
         conv = (F.conv1d, F.conv2d, F.conv3d)[len(self.kernel_size) - 1]
         return conv(x, self.weight, self.bias, self.stride, native, self.dilation, self.groups)
 
-    def _run_overlapped(self, x, ex, native, plan: "OverlapPlan", ctx):
+    def _run_overlapped(self, x, ex, native, plan: OverlapPlan, ctx):
         """Post the halo exchange, convolve the whole slab with the layer's own zero padding while the
         halo is in flight (right everywhere but the ``pad`` rows next to a neighbour), then recompute
         those border rows from the halo and write them into the output. The conv saves the slab itself,
@@ -413,7 +412,8 @@ class SpatialUpsample(SpatialLayer):
     def _hp_plan(self, in_shape, out_shape, ctx):
         where = ctx.where(self)
         if self.mode not in self.MODES:
-            raise UnsupportedModuleError(f"{where}: Upsample mode {self.mode!r} is not supported; use one of {self.MODES}")
+            raise UnsupportedModuleError(f"{where}: Upsample mode {self.mode!r} is not supported; "
+                                         f"use one of {self.MODES}")
         n = len(in_shape) - 2
         scales = _tuple(self.scale_factor, n) if self.scale_factor is not None else (None,) * n
         exchanges, taps = [], []
@@ -492,7 +492,8 @@ class SpatialDropout(SpatialLayer):
 
 
 SPATIAL_CLASSES = {"Conv": SpatialConv, "ConvTranspose": SpatialConvTranspose, "MaxPool": SpatialMaxPool,
-                   "AvgPool": SpatialAvgPool, "AdaptiveAvgPool": SpatialGlobalPool, "AdaptiveMaxPool": SpatialGlobalPool,
+                   "AvgPool": SpatialAvgPool, "AdaptiveAvgPool": SpatialGlobalPool,
+                   "AdaptiveMaxPool": SpatialGlobalPool,
                    "BatchNorm": SpatialBatchNorm, "InstanceNorm": SpatialInstanceNorm, "GroupNorm": SpatialGroupNorm,
                    "Upsample": SpatialUpsample, "Flatten": SpatialFlatten, "Dropout": SpatialDropout}
 # the torch.nn classes the rules name (``hybridpar.plan.rules.SPATIAL_MODULES``), each with its spatial version

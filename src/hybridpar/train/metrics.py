@@ -1,11 +1,13 @@
 """Metrics of a run, written by rank 0: one JSON object per line in ``metrics.jsonl`` (and TensorBoard
-scalars when it is installed and asked for)."""
+scalars when asked for: ``check_tensorboard`` says up front when the package is missing)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import warnings
 from pathlib import Path
+
+from hybridpar.errors import ConfigError
 
 
 class MetricsLog:
@@ -39,13 +41,16 @@ class MetricsLog:
             self.writer.close()
 
 
+def check_tensorboard(config) -> None:
+    """``metrics.tensorboard = true`` needs the tensorboard package: checked before any worker starts."""
+    if config.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.tensorboard = true, but the tensorboard package is not installed: "
+                          "pip install tensorboard (or hybridpar[tensorboard]), or set metrics.tensorboard = false")
+
+
 def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        warnings.warn("metrics.tensorboard = true but tensorboard is not installed (pip install tensorboard); "
-                      "writing metrics.jsonl only", stacklevel=2)
-        return None
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 

@@ -20,13 +20,14 @@ from dataclasses import replace
 import torch.nn as nn
 
 from hybridpar.errors import ClusterError, ConfigError, MeshError, PlanError
-from hybridpar.plan import Plan, check_grid, cluster_of, graph_of
+from hybridpar.plan import Plan, check_grid, cluster_of
 from hybridpar.plan import plan as search_best
+from hybridpar.plan.analysis import graph_of
+from hybridpar.plan.cluster import GiB
 from hybridpar.plan.graph import ModelGraph
 from hybridpar.train.config import Config
 
 PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'
-GiB = 2**30
 
 
 def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -> Plan:
@@ -34,7 +35,7 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -
     checked, or the ``[mesh]`` section's. ``model`` may live on the meta device; ``example_input`` is one
     step's global batch (a tensor: of token ids for a GPT, else on the meta device). The plan is checked
     against the model as ``hybridpar.parallelize`` will apply it."""
-    from hybridpar.parallel.apply import check_plan
+    from hybridpar.parallel.plan_check import check_plan
 
     graph = graph_of(model, example_input, config.train.dtype)
     if config.plan:
@@ -98,9 +99,14 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
     where = config.plan
     plan, stated = read_plan_file(where)
     try:
-        plan.dims  # each degree a whole number >= 1
+        _ = plan.dims  # each degree a whole number >= 1
     except MeshError as err:
         raise PlanError(f"{where}: {err}") from None
+    made_for = _model_family(plan.model)
+    if made_for and made_for != config.model.name:
+        raise PlanError(f"{where} is a plan for model {plan.model!r}, but the config trains {config.model.name!r}; "
+                        f"make a plan for this model (hybridpar plan --model {config.model.name} ... --out FILE, "
+                        'or plan = "auto")')
     if plan.world_size != world_size:
         raise PlanError(f"{where}: the plan ({plan.describe()}) needs {plan.world_size} processes, but the world "
                         f"size is {world_size}; run it on {plan.world_size} (--nproc {plan.world_size}, or torchrun "
@@ -119,6 +125,17 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
         return replace(validate(plan, graph, spec), cluster=spec.name)
     except PlanError as err:
         raise PlanError(f"{where} on {world_size} x {spec.name} (cluster = {config.cluster!r}): {err}") from None
+
+
+def _model_family(name: str) -> str:
+    """The config's ``model.name`` of a plan's ``model`` (a GPT preset is a ``gpt``); ``""`` where unknown (a
+    plan written by hand, a ``pkg.module:factory`` model)."""
+    from hybridpar.models.gpt import GPT_PRESETS
+    from hybridpar.models.registry import VOLUME_MODELS
+
+    if name in GPT_PRESETS or name == "gpt":
+        return "gpt"
+    return name if name in VOLUME_MODELS else ""
 
 
 def _for_config(plan: Plan, stated: set[str], config: Config, graph: ModelGraph, where: str) -> Plan:

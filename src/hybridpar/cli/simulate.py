@@ -10,41 +10,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hybridpar.cli.args import CLUSTER_HELP, DTYPES, add_model_arguments, device_counts
 from hybridpar.errors import HybridparError
-from hybridpar.plan_cli import add_model_arguments
 
 DEFAULT_OUT = "scaling.png"
-
-
-def device_counts(text: str) -> tuple[int, ...]:
-    """``8,16,32`` or ``8:4096`` (doubling from 8 to 4096), or both mixed: ``1,2,8:64``; sorted, distinct."""
-    counts: set[int] = set()
-    for item in text.split(","):
-        first, colon, last = item.strip().partition(":")
-        try:
-            lo, hi = int(first), int(last if colon else first)
-        except ValueError:
-            lo = hi = 0
-        if lo < 1 or hi < lo:
-            raise HybridparError(f"--devices {text!r}: give device counts >= 1 separated by commas (8,16,32) or a "
-                                 "doubling range FIRST:LAST (8:4096 is 8, 16, ..., 4096)")
-        n = lo
-        while n < hi:
-            counts.add(n)
-            n *= 2
-        if n != hi:
-            raise HybridparError(f"--devices {item.strip()!r}: {hi} is not {lo} doubled a whole number of times; "
-                                 f"end the range at {n // 2} or {n}")
-        counts.add(hi)
-    return tuple(sorted(counts))
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predicted weak or strong scaling over device counts: table and PNG "
                                         "(no GPUs needed)")
     add_model_arguments(p, "1x4x128x128x128")
-    p.add_argument("--cluster", required=True, help="a preset (v100, a100-40, a100-80, h100, h200, mi250x) or a "
-                                                    "cluster TOML file")
+    p.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     p.add_argument("--devices", required=True, help="device counts: 8,16,32 or 8:4096 (doubling)")
     p.add_argument("--mode", choices=("weak", "strong"), required=True,
                    help="weak: the global batch grows with the devices (--batch at the smallest count); "
@@ -53,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--families", default=None,
                    help="strategy families separated by commas, e.g. \"dp,dp x spatial\" (default: dp and "
                         "dp x spatial for a volume; dp, dp x tp and dp x tp x pp for tokens)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--out", default=None, help=f"the PNG to write (default {DEFAULT_OUT} with --format table; "
                                                "none with --format json unless given)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

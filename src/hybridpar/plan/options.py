@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hybridpar.errors import GeometryError, PlanError
-from hybridpar.plan import cost
+from hybridpar.geometry import plan_exchange, split_bounds
+from hybridpar.plan import cost, rules
 from hybridpar.plan.cluster import ClusterSpec
-from hybridpar.plan import rules
 from hybridpar.plan.graph import INPUT, Layer, ModelGraph
-from hybridpar.spatial.geometry import plan_exchange, split_bounds
 
 R, S, P = "R", "S", "P"
 LAYOUTS = {"replicate": R, "column": S, "row": P, "shard": S}  # the layout each strategy leaves
@@ -253,8 +252,8 @@ def _conv_work(layer: Layer, ctx: MeshContext, in_channels: int) -> int:
 
 def _runtime_copies(layer: Layer, ctx: MeshContext, halo_per_sample: tuple[float, ...]) -> float:
     """Bytes per sample that the spatial runtime keeps for backward beyond what the plain layer keeps: the
-    slab assembled with its halos that a conv (or transposed conv) then saves (a copy, where the plain conv shares its input
-    with the layer before), and the intermediates of a normalisation built from all-reduced sums."""
+    slab assembled with its halos that a conv (or transposed conv) then saves (a copy, where the plain conv shares
+    its input with the layer before), and the intermediates of a normalisation built from all-reduced sums."""
     if not layer.spatial_in or math.prod(ctx.grid) == 1:
         return 0.0
     if _assembles(layer, halo_per_sample):

@@ -1,5 +1,6 @@
-"""What rank 0 shows while training: a progress bar on a terminal, and a line every ``log_every``
-steps (and after each validation) everywhere, so logs of batch jobs tell the same story."""
+"""What rank 0 of ``hybridpar train`` shows while training (the trainer's ``progress``): a progress bar on a
+terminal, and a line every ``log_every`` steps (and after each validation) everywhere, so logs of batch jobs
+tell the same story."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ def format_metrics(metrics: dict) -> str:
 
 
 class Progress:
-    def __init__(self, run, start: int, stop: int, *, show: bool):
-        self.show, self.every = show, run.config.train.log_every
+    def __init__(self, config, start: int, stop: int, *, show: bool = True):
+        self.show, self.every = show, config.train.log_every
         self.console = Console()
-        self.samples_per_step = run.config.train.batch_size
-        self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        self.samples_per_step = config.train.batch_size
+        self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"),
                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
                                 disable=not (show and self.console.is_terminal), transient=True)
         self.task = self.bar.add_task("train", total=stop, completed=start, info="")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import replace
@@ -11,57 +10,23 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hybridpar.cli.args import CLUSTER_HELP, DTYPES, add_model_arguments, integers, levels
 from hybridpar.errors import HybridparError
-
-GiB = 2**30
-INPUT_DTYPES = ("int64", "int32", "float32", "float64", "bfloat16", "float16")
-
-
-def shape(text: str) -> tuple[int, ...]:
-    """``1x4x128x128x128`` -> ``(1, 4, 128, 128, 128)``."""
-    try:
-        dims = tuple(int(p) for p in text.lower().split("x"))
-    except ValueError:
-        dims = ()
-    if not dims or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give the input shape as sizes joined by x, batch first, "
-                                         "e.g. 1x4x128x128x128")
-    return dims
-
-
-def _levels(text: str) -> tuple[int, ...]:
-    try:
-        levels = tuple(sorted({int(p) for p in text.split(",")}))
-    except ValueError:
-        levels = ()
-    if not levels or any(level not in (0, 1, 2, 3) for level in levels):
-        raise argparse.ArgumentTypeError(f"{text!r}: give ZeRO levels among 0,1,2,3 separated by commas")
-    return levels
-
-
-def add_model_arguments(p, example: str) -> None:
-    """``--model``, ``--input`` and ``--input-dtype``, as ``plan`` and ``simulate`` take them."""
-    p.add_argument("--model", required=True,
-                   help="cosmoflow, unet3d, a GPT preset (gpt2-small ... gpt3-175b) or pkg.module:factory")
-    p.add_argument("--input", type=shape, required=True, help=f"example input, batch first, e.g. {example}")
-    p.add_argument("--input-dtype", default="auto", choices=("auto", *INPUT_DTYPES),
-                   help="of a pkg.module:factory model's input: auto (default) gives token ids (int64) to a model "
-                        "whose first module is an nn.Embedding, floats of --dtype to any other")
+from hybridpar.plan.cluster import GiB
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the fastest ways to run a model on a cluster, predicted (no GPUs needed)")
     add_model_arguments(p, "1x4x512x512x512")
-    p.add_argument("--cluster", required=True, help="a preset (v100, a100-40, a100-80, h100, h200, mi250x) or a "
-                                                    "cluster TOML file (hybridpar calibrate writes one)")
+    p.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     p.add_argument("--devices", type=int, default=None, help="devices in all (default: the cluster file's)")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the input's batch)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=int, default=None, help=f"fix the {axis} degree")
     p.add_argument("--spatial", default=None, help="fix the spatial grid, e.g. 4,2,1")
-    p.add_argument("--sharding", type=_levels, default=(0, 1, 2, 3), help="ZeRO levels to consider (default 0,1,2,3)")
+    p.add_argument("--sharding", type=levels, default=(0, 1, 2, 3), help="ZeRO levels to consider (default 0,1,2,3)")
     p.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--out", default=None, help="write the best plan as JSON to this file")
@@ -108,10 +73,7 @@ def run(args, console: Console) -> int:
 def _grid(text: str | None, graph) -> tuple[int, ...] | None:
     if text is None:
         return None
-    try:
-        grid = tuple(int(p) for p in text.split(","))
-    except ValueError:
-        grid = ()
+    grid = integers(text)
     if len(grid) != graph.spatial_ndim or min(grid, default=0) < 1:
         raise HybridparError(f"--spatial {text!r}: give {graph.spatial_ndim} part counts >= 1 separated by commas "
                              f"(one per spatial dim of the input {graph.input_shape})")

@@ -1,0 +1,68 @@
+"""Memory: what a training worker holds before its model, the machine's total, and an allocator warmed as in
+training."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from hybridpar.calibrate.settings import GLIBC_MMAP_CEILING
+
+
+def allocate_as_in_training() -> None:
+    """Put glibc's allocator where a training worker's is after its first step. glibc maps every block above
+    its threshold afresh (each page then faults on first touch) and raises the threshold to a freed mapped
+    block's size, up to ``GLIBC_MMAP_CEILING``: after one step of freed activations, tensors up to the ceiling
+    come back warm from the heap, larger ones are mapped and faulted in at every step. A worker that has not
+    freed a large block yet maps each fresh output instead: a 16 -> 16 conv over 2^17 positions measured
+    180-250 GFLOP/s so, 350 with the threshold raised, 300 inside a training step (page faults are system
+    time, and dear on a virtual machine).
+
+    Freeing one mapped block just under the ceiling raises the threshold (and the heap's trim threshold to
+    twice it). Raised alone, it left every other fresh process faulting anyway: the heap had not grown yet,
+    so an output came from new pages at its top, and once a small allocation landed above a freed output, the
+    next output of that size (an aligned request, a few bytes larger than the freed chunk) grew the heap
+    again. So the heap is then grown by two blocks under the threshold, touched and freed: it keeps their
+    pages (below the trim threshold), and outputs come from them as in a step that has run once."""
+    torch.empty(GLIBC_MMAP_CEILING - 2**20, dtype=torch.uint8).fill_(0)
+    blocks = [torch.empty(GLIBC_MMAP_CEILING - 3 * 2**20, dtype=torch.uint8).fill_(0) for _ in range(2)]
+    del blocks
+
+
+def runtime_rss_bytes() -> float:
+    """The resident set of a training worker before its model: hybridpar's trainer imported (checkpointing,
+    HDF5) and a DDP wrapper built (which loads torch's compiler stack and allocates communication buffers)."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hybridpar.train.tasks.volumes  # noqa: F401  (what a training worker has loaded)
+
+    DistributedDataParallel(nn.Linear(1, 1))
+    return _rss_bytes()
+
+
+def _rss_bytes() -> float:
+    """This process's resident memory (VmRSS of /proc/self/status; peak RSS where there is no /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def mem_total() -> float:
+    """Bytes of memory of this machine (MemTotal of /proc/meminfo)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,112 @@
+"""``hybridpar train CONFIG``: a model trained from a TOML config, under torchrun or on local workers."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from hybridpar.cli.args import positive
+from hybridpar.errors import ConfigError, HybridparError
+
+OVERSUBSCRIBE = 4  # local workers per CPU core beyond which a run is refused unless --oversubscribe
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser("train", help="train a model from a TOML config (under torchrun, or on local workers)")
+    train.add_argument("config", help="the TOML config (keys: docs/config.md)")
+    train.add_argument("--nproc", type=positive, default=None,
+                       help="local workers to start (default: mesh.dp x prod(mesh.spatial), or the plan file's; "
+                            "required with plan = \"auto\"); ignored under torchrun")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
+    train.add_argument("--stop-after", type=positive, default=None, metavar="STEPS",
+                       help="stop (with a checkpoint) once this many steps are done, e.g. before a job's time limit")
+    train.add_argument("--oversubscribe", action="store_true",
+                       help=f"start local workers even when there are more than {OVERSUBSCRIBE} per CPU core")
+
+
+def run(args, console: Console) -> int:
+    import os
+
+    from hybridpar.train.config import load
+    from hybridpar.train.metrics import check_tensorboard
+
+    config = load(args.config)  # no torch yet: a mistake in the config is reported at once
+    check_tensorboard(config)
+    from hybridpar.cli.progress import format_metrics
+    from hybridpar.launch import launch_local
+    from hybridpar.train.planning import local_world_size
+    from hybridpar.train.trainer import check, finished_at, prepare_run_dir
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # under torchrun
+        result = worker(config, args.resume, args.stop_after)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 2 if "error" in result else 0
+    else:
+        nproc = local_world_size(config, args.nproc, args.config)
+        resume_from = prepare_run_dir(config, args.resume)
+        done = finished_at(config, resume_from)
+        if done is not None:
+            console.print(f"run_dir = {config.run_dir!r} finished its {done} steps already (nothing to train); raise "
+                          "train.steps to train on", highlight=False, soft_wrap=True)
+            return 0
+        check(config, nproc)  # the model, the data and the plan for nproc workers, before any starts
+        _check_cores(nproc, args.oversubscribe)
+        result = launch_local(worker, (config, args.resume, args.stop_after), nproc)[0]
+    if "error" in result:
+        raise HybridparError(result["error"])
+    done = result["steps"]
+    if done < result["total_steps"]:
+        console.print(f"stopped after step {done} of {result['total_steps']}; continue with --resume")
+    if result["val"]:
+        console.print(f"final validation: {format_metrics(result['val'])}", highlight=False, soft_wrap=True)
+    mib = [b / 2**20 for b in result["bytes_read_per_rank"]]
+    read = f"read per rank {', '.join(f'{m:.1f}' for m in mib)} MiB; " if mib else ""
+    console.print(f"trained steps {result['start_step']}..{done} on {result['mesh']} in {result['time_s']:.1f} s; "
+                  f"{read}outputs in {config.run_dir}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def _check_cores(nproc: int, oversubscribe: bool) -> None:
+    """Refuse far more local workers than cores: they would crawl (and gloo's timeouts would end the run)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    if nproc > OVERSUBSCRIBE * cores and not oversubscribe:
+        raise ConfigError(f"{nproc} local workers on {cores} CPU cores (more than {OVERSUBSCRIBE} per core): use fewer "
+                          "ranks, run under torchrun on more nodes, or pass --oversubscribe to start them anyway")
+
+
+def worker(config, resume: bool, stop_after: int | None) -> dict:
+    """One worker started by ``torchrun`` or the elastic agent: join the group, train (rank 0 printing the
+    trainer's log and progress), leave. A user error is returned (raised identically on every rank before any
+    communication), not thrown, so the command can print it in one line."""
+    from hybridpar.cli.progress import Progress
+    from hybridpar.launch import init_distributed, shutdown_distributed
+    from hybridpar.train.trainer import train
+
+    _log_to_console()
+    init_distributed()
+    try:
+        result = train(config, resume=resume, stop_after=stop_after, progress=Progress)
+    except HybridparError as err:
+        result = {"error": str(err)}
+    shutdown_distributed()
+    return result
+
+
+def _log_to_console() -> None:
+    """hybridpar's log records of this process on its console: information on stdout, warnings on stderr."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("hybridpar")
+    if logger.handlers:
+        return
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(lambda record: record.levelno < logging.WARNING)
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    err.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger.addHandler(out)
+    logger.addHandler(err)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -1,0 +1,80 @@
+"""The synthetic token task of a GPT (``model.name = "gpt"``): next-token prediction on a Markov stream.
+
+Step ``s`` trains on batch ``s`` of the token stream (the same on every rank; each replica takes its rows), so
+a run resumed from a checkpoint, under this plan or another one, repeats the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridpar.data.tokens import MarkovTokens
+from hybridpar.models.gpt import lm_loss
+from hybridpar.parallel.apply import parallelize
+from hybridpar.plan import Plan
+from hybridpar.plan.analysis import DTYPES
+from hybridpar.train import planning
+from hybridpar.train.agree import mean_over_dp
+from hybridpar.train.config import Config, model_factory, model_options
+
+
+def build_model(config: Config) -> torch.nn.Module:
+    torch.manual_seed(config.seed)
+    return model_factory("gpt")(**model_options(config.model))
+
+
+class Tokens:
+    has_validation = True
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def check(self, world_size: int) -> Plan:
+        with torch.device("meta"):
+            model = build_model(self.config)
+        example = torch.zeros(self.config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
+        return planning.plan_for(self.config, model, example, world_size)
+
+    def setup(self, plan: Plan, mesh):
+        model = build_model(self.config).to(DTYPES[self.config.train.dtype])
+        self.plan = plan
+        self.parallel = parallelize(model, plan, mesh, loss_fn=lm_loss,
+                                    example_input=torch.zeros(plan.input_shape, dtype=torch.long))
+        self.stream = MarkovTokens(model.config.vocab_size, model.config.seq_len, self.config.seed)
+        self.total_steps = self.config.train.steps
+        return self.parallel
+
+    def warnings(self) -> list[str]:
+        return []
+
+    def _replica_rows(self, batch: tuple[torch.Tensor, torch.Tensor]):
+        per = self.plan.global_batch // self.plan.dp
+        replica = self.parallel.mesh["dp"].get_local_rank()
+        return tuple(t[replica * per:(replica + 1) * per] for t in batch)
+
+    def batches(self, start: int, stop: int):
+        for step in range(start, stop):
+            yield (step, *self._replica_rows(self.stream.batch(step, self.plan.global_batch)))
+
+    def seed_offset(self) -> int:
+        return 0  # dropout masks alike on a replica's ranks
+
+    def record(self) -> dict:
+        return {}
+
+    def validate(self) -> dict:
+        """The mean loss over the validation batches (the ``val`` split of the token stream, the same every
+        time), and the least loss the task allows."""
+        global_batch = self.plan.global_batch
+        batches = max(1, (self.config.validation.max_samples or global_batch) // global_batch)
+        total = 0.0
+        for i in range(batches):
+            x, y = self._replica_rows(self.stream.batch(i, global_batch, "val"))
+            total += mean_over_dp(self.parallel.mesh, self.parallel.eval_loss(x, y))
+        return {"loss": total / batches, "best_possible": self.stream.entropy}
+
+    def finish(self) -> dict:
+        return {"bytes_read_per_rank": []}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,169 @@
+"""The training loop of ``hybridpar train``: one call per rank, inside an initialised process group, the same
+skeleton for every task (``hybridpar.train.tasks``: volumes, tokens).
+
+Order of work: check the config, the task's data and model, the plan (searched, read, or ``[mesh]``'s:
+``train/planning.py``) on every rank (identically, before any communication); build the model from the seed
+(the same weights on every rank) and apply the plan with ``hybridpar.parallelize``; then train. Step ``s``
+(0-based) reseeds the random generators from ``(seed, s)`` and the task's rank offset and trains on the task's
+batch ``s``, so a run resumed from a checkpoint, under this plan or another, repeats the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import Plan
+from hybridpar.train import checkpoint_dir, planning
+from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
+from hybridpar.train.config import Config
+from hybridpar.train.metrics import MetricsLog, check_tensorboard
+from hybridpar.train.optim import build_optimizer, learning_rate, set_learning_rate
+from hybridpar.train.tasks import Task, task_for
+
+logger = logging.getLogger(__name__)
+
+
+class _Quiet:
+    """The progress of a rank that shows none."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def advance(self, record: dict) -> None:
+        pass
+
+    def validated(self, step: int, metrics: dict) -> None:
+        pass
+
+
+@dataclass
+class Run:
+    """Everything one rank needs to train: the task, the parallel model and its optimizer."""
+
+    config: Config
+    plan: Plan
+    task: Task
+    parallel: object  # hybridpar.ParallelModel
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def total_steps(self) -> int:
+        return self.task.total_steps
+
+
+def check(config: Config, world_size: int) -> Plan:
+    """The checks that need no process group: the task's data and model (built on the meta device) and the plan
+    (searched, read or from ``[mesh]``, for ``world_size`` processes, checked against the model as
+    ``hybridpar.parallelize`` will apply it). ``hybridpar train`` runs them before starting workers, and every
+    worker runs them again before any communication."""
+    check_tensorboard(config)
+    task = task_for(config)
+    try:
+        return task.check(world_size)
+    finally:
+        task.close()
+
+
+def setup(config: Config) -> Run:
+    """Check everything, then build the mesh, the parallel model, its optimizer and the task's data."""
+    task = task_for(config)
+    plan = task.check(dist.get_world_size())
+    parallel = task.setup(plan, agreed_mesh(config, plan))
+    return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer))
+
+
+def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One optimizer step; returns the global batch's loss and the learning rate."""
+    cfg = run.config
+    lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
+    set_learning_rate(run.optimizer, lr)
+    torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + run.task.seed_offset())  # this step's dropout masks
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = run.parallel.train_step(x, y)
+    run.optimizer.step()
+    return mean_over_dp(run.parallel.mesh, loss), lr
+
+
+def finished_at(config: Config, resume_from: Path | None) -> int | None:
+    """The step count of a run that has nothing left to train: resumed from a checkpoint at ``train.steps``."""
+    if resume_from is None or not config.train.steps:
+        return None
+    step = checkpoint_dir.checkpoints(resume_from.parent)[-1][0]
+    return step if step >= config.train.steps else None
+
+
+def prepare_run_dir(config: Config, resume: bool) -> Path | None:
+    """The checkpoint to resume from (``None`` for a fresh run); refuses to overwrite a previous run."""
+    run_dir = Path(config.run_dir)
+    found = checkpoint_dir.checkpoints(run_dir / "checkpoints")
+    if resume:
+        if not found:
+            raise ConfigError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'}; "
+                              f"start without --resume")
+        return found[-1][1]
+    if found:
+        raise ConfigError(f"run_dir = {str(run_dir)!r} holds an earlier run; pass --resume to continue it, "
+                          f"or set another run_dir (nothing was overwritten)")
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run_dir = {str(run_dir)!r} holds the metrics of an earlier run that saved no "
+                          f"checkpoint (nothing to resume); move {run_dir / 'metrics.jsonl'} away to start again "
+                          f"there, or set another run_dir (nothing was overwritten)")
+    return None
+
+
+def train(config: Config, *, resume: bool = False, stop_after: int | None = None, progress=None) -> dict:
+    """Train on this rank; returns the run's summary (on every rank). Rank 0 logs the plan and the data's
+    warnings (``logging``) and shows ``progress(config, start, stop)``: a context manager with ``advance(record)``
+    and ``validated(step, metrics)`` (the command's progress bar and lines; none by default)."""
+    resume_from = prepare_run_dir(config, resume)
+    dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
+    run = setup(config)
+    start = checkpoint_dir.load(resume_from, run.parallel, run.optimizer) if resume_from else 0
+    stop = min(run.total_steps, stop_after or run.total_steps)
+    is_root = dist.get_rank() == 0
+    run_dir = Path(config.run_dir)
+    if is_root:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if config.plan:  # a plan searched or read: kept beside the run ([mesh]'s is the config itself)
+            (run_dir / "plan.json").write_text(run.plan.to_json() + "\n")
+            logger.info(planning.describe(config, run.plan, str(run_dir / "plan.json")))
+    log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root,
+                     tensorboard=config.metrics.tensorboard and is_root, resume_step=start if resume_from else None)
+    if is_root:
+        for warning in run.task.warnings():
+            logger.warning(warning)
+    summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
+               "mesh": run.plan.describe()}
+    begin = time.perf_counter()
+    shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
+    with shown:
+        for step, x, y in agreed(run.task.batches(start, stop), run.parallel.device):
+            loss, lr = train_step(run, step, x, y)
+            done = step + 1
+            record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
+            log.log(record)
+            shown.advance(record)
+            summary["loss"] = loss
+            # the checkpoint first: a validation file that fails to read then loses no training
+            if checkpoint_dir.due(done, config.checkpoint.every, stop, run.total_steps):
+                summary["checkpoint"] = str(checkpoint_dir.save(run_dir / "checkpoints", done, run.parallel,
+                                                            run.optimizer, keep=config.checkpoint.keep))
+            if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps):
+                summary["val"] = run.task.validate()
+                log.log({"step": done, "split": "val", **summary["val"]})
+                shown.validated(done, summary["val"])
+    summary["time_s"] = time.perf_counter() - begin
+    summary.update(run.task.finish())
+    log.close()
+    return summary
+
