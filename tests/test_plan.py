@@ -11,13 +11,16 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from hybridpar.dims import ParallelDims
 from hybridpar.errors import GeometryError, PlanError
 from hybridpar.geometry import Window, plan_exchange, split_bounds
 from hybridpar.models import gpt
 from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, rules, search_plans, validate
+from hybridpar.plan.chains import Caches, best_chain, context, options_of
 from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
 from hybridpar.plan.options import check_grid, layer_options
-from hybridpar.plan.search import Constraints, _context, best_chain, legal_starts, meshes, micro_batch_counts, price
+from hybridpar.plan.pricing import Problem, legal_starts, price
+from hybridpar.plan.space import Constraints, Setting, meshes, micro_batch_counts
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.validate import chain_of
 from models import Attention, TinyCosmoFlow, TinyUNet
@@ -269,16 +272,15 @@ def test_grid_check_follows_the_runtime_rule():
 # --- exactness of the search against brute force --------------------------------------------------
 
 def _ctx(graph, spec, dp=1, grid=(1,), tp=2, micro_batch=2):
-    return _context(spec, Constraints(global_batch=micro_batch * dp), dp, grid, tp, micro_batch)
+    return context(spec, Constraints(global_batch=micro_batch * dp), ParallelDims(dp=dp, spatial=grid, tp=tp),
+                   micro_batch)
 
 
 def _brute_force_chain(graph, ctx):
     """Every assignment of the strategies each layer may take; those the rules refuse (``chain_of`` raises, as
     ``check_plan`` would) are not plans."""
-    from hybridpar.plan.search import _options
-
-    cache = {}
-    choices = [[o.strategy for o in _options(layer, graph, ctx, cache)] for layer in graph.layers]
+    cache = Caches()
+    choices = [[o.strategy for o in options_of(layer, graph, ctx, cache)] for layer in graph.layers]
     best, legal = math.inf, 0
     for combo in itertools.product(*choices):
         try:
@@ -372,8 +374,9 @@ def test_pipeline_cuts_are_exact():
 def _brute_force_search(graph, spec, c):
     """Every mesh, micro-batch count, ZeRO level, checkpointing and legal cut, priced by ``price``."""
     best = (math.inf, None)
-    for mesh in meshes(spec.num_devices, graph, c, spec.devices_per_node):
-        dp, grid, tp, pp = mesh
+    problem = Problem(graph, spec, c)
+    for dims in meshes(spec.num_devices, graph, c, spec.devices_per_node):
+        dp, grid, tp, pp = dims.dp, dims.spatial, dims.tp, dims.pp
         try:
             check_grid(graph, grid)
         except PlanError:
@@ -381,15 +384,15 @@ def _brute_force_search(graph, spec, c):
         per_replica = c.global_batch // dp
         for m in micro_batch_counts(per_replica, pp, c):
             for z in (c.sharding if dp * math.prod(grid) > 1 else (0,)):
-                chain = best_chain(graph, _context(spec, c, dp, grid, tp, per_replica // m, sharding=z))
+                chain = best_chain(graph, context(spec, c, dims, per_replica // m, sharding=z))
                 if rules.idle_tp_refusal(graph, tp, [o.strategy for o in chain.options]):
                     continue  # every tp rank would repeat all the work: not a plan
                 starts = legal_starts(graph, chain)[1:]
                 for ckpt in c.checkpointing:
                     for cuts in itertools.combinations(starts, pp - 1):
-                        step, memory, _ = price(graph, spec, c, mesh, m, z, ckpt, chain, cuts)
+                        step, memory, _ = price(problem, dims, Setting(m, z, ckpt), chain, cuts)
                         if max(mem.total for mem in memory) <= spec.device_memory and step < best[0]:
-                            best = (step, (mesh, m, z, ckpt, cuts))
+                            best = (step, (dims, m, z, ckpt, cuts))
     return best
 
 
@@ -462,7 +465,7 @@ def test_the_search_splits_only_what_the_runtime_runs(cnn_graph):
     conv, dense = (next(layer for layer in cnn_graph.layers if layer.kind == kind) for kind in ("conv", "linear"))
 
     def strategies(layer, grid, sharding):
-        ctx = _context(spec, c, 2, grid, 2, 4, sharding=sharding)
+        ctx = context(spec, c, ParallelDims(dp=2, spatial=grid, tp=2), 4, sharding=sharding)
         return {o.strategy for o in layer_options(layer, cnn_graph, ctx)}
 
     assert strategies(conv, (1, 1, 1), 0) == strategies(dense, (1, 1, 1), 3) == {"replicate", "column", "row"}

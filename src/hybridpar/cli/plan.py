@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 def run(args, console: Console) -> int:
     from hybridpar.models.registry import build_for_planning
     from hybridpar.plan import cluster_of, graph_of, no_fit_message, search_plans
-    from hybridpar.plan.search import Constraints
+    from hybridpar.plan.space import Constraints
 
     if args.out and Path(args.out).exists() and not args.overwrite:
         raise HybridparError(f"{args.out} exists; pass --overwrite to replace it, or choose another --out")
@@ -113,10 +113,10 @@ def _plans_table(plans) -> Table:
 
 
 def _losers_table(result) -> Table:
-    from hybridpar.plan.search import family
+    from hybridpar.plan.space import family
 
     table = Table("strategies", "best of them, or why they lose", title="the other strategies")
-    winner = family((result.plans[0].dp, result.plans[0].spatial, result.plans[0].tp, result.plans[0].pp))
+    winner = family(result.plans[0].dims)
     for name, why in result.rejected.items():
         if name != winner:
             table.add_row(name, why)

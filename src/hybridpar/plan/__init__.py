@@ -15,7 +15,8 @@ from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
 from hybridpar.plan.graph import Layer, ModelGraph
 from hybridpar.plan.options import check_grid
-from hybridpar.plan.search import Constraints, SearchResult, search
+from hybridpar.plan.search import SearchResult, search
+from hybridpar.plan.space import Constraints
 from hybridpar.plan.types import SCHEMA_VERSION, Plan, Prediction
 from hybridpar.plan.validate import validate
 

@@ -8,18 +8,20 @@ from dataclasses import replace
 
 from hybridpar.errors import PlanError
 from hybridpar.plan import rules
+from hybridpar.plan.chains import Caches, Chain, context, options_of
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import ModelGraph
 from hybridpar.plan.options import R, S, check_grid, redistribution
-from hybridpar.plan.search import Chain, Constraints, _context, _options, legal_starts, prediction_of, price
+from hybridpar.plan.pricing import Problem, legal_starts, prediction_of, price
+from hybridpar.plan.space import Constraints, Setting
 from hybridpar.plan.types import SCHEDULES, SHARDING_NAMES, Plan
 
 
-def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | None = None) -> Chain:
+def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: Caches | None = None) -> Chain:
     """The chain that runs each layer with ``strategies[name]`` (default ``replicate``), with the layout changes
     between layers that those strategies need; a ``PlanError`` if the rules refuse them (``rules.check_assignment``,
     ``rules.check_shared``): the runtime's own checks."""
-    cache = {} if cache is None else cache
+    cache = Caches() if cache is None else cache
     split = any(s != "replicate" for s in strategies.values())
     if split and ctx.tp == 1:
         raise PlanError(f"the plan splits layers over tp ({strategies}) but tp=1; set tp, or drop layers")
@@ -29,7 +31,7 @@ def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: dict | N
     options, paid, layouts = [], [], []
     for i, layer in enumerate(graph.layers):
         wanted = strategies.get(layer.name, "replicate")
-        option = next(o for o in _options(layer, graph, ctx, cache) if o.strategy == wanted)
+        option = next(o for o in options_of(layer, graph, ctx, cache) if o.strategy == wanted)
         gather, sliced, out = found.get(i, (False, False, None))
         options.append(option)
         paid.append(redistribution(layer, option, gather, sliced, ctx.tp_group))
@@ -45,20 +47,19 @@ def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_hal
         graph.index_of(name)
     c = Constraints(global_batch=plan.global_batch, dtype=plan.dtype, optimizer=plan.optimizer,
                     overlap_halo=overlap_halo)
-    mesh = (plan.dp, plan.spatial, plan.tp, plan.pp)
-    ctx = _context(cluster, c, plan.dp, plan.spatial, plan.tp, plan.global_batch // (plan.dp * plan.micro_batches),
-                   plan.sequence_parallel, plan.sharding)
+    micro_batch = plan.global_batch // (plan.dp * plan.micro_batches)
+    ctx = context(cluster, c, plan.dims, micro_batch, sequence_parallel=plan.sequence_parallel, sharding=plan.sharding)
     chain = chain_of(graph, ctx, dict(plan.layers))
     cuts = _cuts(plan, graph, chain)
-    step, memory, comm = price(graph, cluster, c, mesh, plan.micro_batches, plan.sharding, plan.checkpointing,
-                               chain, cuts, schedule=plan.schedule)
+    setting = Setting(plan.micro_batches, plan.sharding, plan.checkpointing)
+    step, memory, comm = price(Problem(graph, cluster, c), plan.dims, setting, chain, cuts, schedule=plan.schedule)
     for stage, mem in enumerate(memory):
         if mem.total > cluster.device_memory:
             first = graph.layers[([0] + list(cuts))[stage]].name
             raise PlanError(f"stage {stage} (from layer {first!r}) needs {mem.total / 2**30:.3g} GiB per device "
                             f"({_breakdown(mem)}) > {cluster.device_memory / 2**30:.3g} GiB of {cluster.name}; "
                             "use more sharding, checkpointing, more micro-batches or more stages")
-    return replace(plan, prediction=prediction_of(c, chain, step, memory, comm, plan.micro_batches))
+    return replace(plan, prediction=prediction_of(c, step, memory, comm))
 
 
 def _check_degrees(plan: Plan, cluster: ClusterSpec) -> None:

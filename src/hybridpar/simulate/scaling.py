@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan import ClusterSpec, Constraints, ModelGraph, Plan, cluster_of, search_plans
-from hybridpar.plan.search import FAMILY_ORDER, ONE_DEVICE
+from hybridpar.plan.space import FAMILY_ORDER, ONE_DEVICE
 
 MODES = ("weak", "strong")
 
