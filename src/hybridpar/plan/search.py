@@ -44,22 +44,12 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     if not all_meshes:
         raise PlanError(_no_mesh_message(world, graph, c))
     p, log = Problem(graph, cluster, c), _Log()
-    norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)  # refuses pipelines
+    runnable = _runnable(graph, all_meshes, log)
     heaviest = max(graph.layers, key=lambda layer: layer.flops)
-    pending = []  # a heap of (lower bound of step time, order, dims, a Setting or None for all of the mesh's)
-    order, total = itertools.count(), 0
-    for dims in all_meshes:
-        try:
-            check_grid(graph, dims.spatial)
-        except PlanError as err:
-            log.fail(dims, f"spatial grid {'x'.join(map(str, dims.spatial))}: {err}")
-            continue
-        if dims.pp > 1 and norm is not None:
-            log.fail(dims, f"pp={dims.pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would "
-                           "take per micro-batch, unlike one process on the batch")
-            continue
-        total += len(settings_of(c, dims, graph))
-        pending.append((layer_floor(p, heaviest, dims, c.global_batch // dims.dp), next(order), dims, None))
+    order = itertools.count()
+    # a heap of (lower bound of step time, order, dims, a Setting or None for all of the mesh's)
+    pending = [(layer_floor(p, heaviest, dims, c.global_batch // dims.dp), next(order), dims, None)
+               for dims in runnable]
     heapq.heapify(pending)
     found: list[Candidate] = []
     best_per_mesh: dict[ParallelDims, float] = {}
@@ -91,12 +81,31 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
         found.append(cand)
         best_per_mesh[dims] = min(best_per_mesh.get(dims, math.inf), cand.step_time)
     found.sort(key=lambda x: (x.step_time, x.memory, tuple(-n for n in x.dims.spatial)))
-    plans, seen = [], set()
+    best: dict[ParallelDims, Plan] = {}
     for cand in found:
-        if cand.dims not in seen and len(plans) < c.top:
-            plans.append(cand.plan)
-            seen.add(cand.dims)
+        best.setdefault(cand.dims, cand.plan)  # each mesh's fastest
+    plans = list(best.values())[:c.top]
+    total = sum(len(settings_of(c, dims, graph)) for dims in runnable)
     return SearchResult(plans, log.explain(found), total, log.closest[1])
+
+
+def _runnable(graph: ModelGraph, all_meshes: list[ParallelDims], log: _Log) -> list[ParallelDims]:
+    """The meshes whose spatial grid the model splits into, and without pipelines where a batch norm refuses
+    them; the others logged with why."""
+    norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)
+    out = []
+    for dims in all_meshes:
+        try:
+            check_grid(graph, dims.spatial)
+        except PlanError as err:
+            log.fail(dims, f"spatial grid {'x'.join(map(str, dims.spatial))}: {err}")
+            continue
+        if dims.pp > 1 and norm is not None:
+            log.fail(dims, f"pp={dims.pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would "
+                           "take per micro-batch, unlike one process on the batch")
+            continue
+        out.append(dims)
+    return out
 
 
 class _Log:
