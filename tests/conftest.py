@@ -31,6 +31,13 @@ def dist8():
     return _pool(8)
 
 
+def pytest_collection_modifyitems(items):
+    """A test that runs in a pool of processes is marked ``dist`` (``-m "not dist"``: the single-process set)."""
+    for item in items:
+        if {"dist2", "dist4", "dist8"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.dist)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
         pool.close()

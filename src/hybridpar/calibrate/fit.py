@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from hybridpar.calibrate.memory import mem_total
 from hybridpar.calibrate.settings import COLLECTIVES, FAST_CONV_MIN, SMALL_BYTES, Settings
 from hybridpar.errors import HybridparError
-from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
+from hybridpar.plan.cluster import ClusterSpec, Link
+from hybridpar.plan.rates import ConvRate, OpRate
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from hybridpar.errors import ClusterError
+from hybridpar.plan.rates import DTYPES, ConvRate, OpRate, check_count, check_positive, interpolate, log2_weights, log2s
 
-DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16")  # tfloat32: float32 convs on tensor cores
 KINDS = ("matmul", "conv")  # compute kinds with their own efficiency; pointwise ops use memory_bandwidth
 
 GiB = 2**30
@@ -45,11 +45,6 @@ class FrozenMap(Mapping):
         return repr(self._items)
 
 
-def _check_positive(label: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ClusterError(f"{label} = {value!r}: must be a positive, finite number")
-
-
 OPTIONAL_RATES = ("collective_bandwidth", "collective_latency", "all_gather_bandwidth", "all_gather_latency",
                   "reduce_scatter_bandwidth", "reduce_scatter_latency")
 
@@ -77,7 +72,7 @@ class Link:
         for field in ("bandwidth", "latency", *OPTIONAL_RATES):
             value = getattr(self, field)
             if value is not None or field in ("bandwidth", "latency"):
-                _check_positive(f"Link.{field}", value)
+                check_positive(f"Link.{field}", value)
         wait = self.sync_wait
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not (math.isfinite(wait) and wait >= 0):
             raise ClusterError(f"Link.sync_wait = {wait!r}: must be a finite number >= 0 (seconds)")
@@ -99,75 +94,6 @@ class Link:
         latency, bandwidth = getattr(self, f"{kind}_latency"), getattr(self, f"{kind}_bandwidth")
         return (self.step_latency if latency is None else latency,
                 self.bus_bandwidth if bandwidth is None else bandwidth)
-
-
-def _check_count(label: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ClusterError(f"{label} = {value!r}: must be a whole number >= 1")
-
-
-@dataclass(frozen=True, order=True)
-class ConvRate:
-    """Measured FLOP/s of a 3x3x3, stride-1 convolution in ``dtype`` from ``in_channels`` to ``out_channels``
-    over ``positions`` output positions (``N·D·H·W``): its forward, its input gradient and its weight gradient
-    (each counted as the forward's FLOPs)."""
-
-    dtype: str
-    in_channels: int
-    out_channels: int
-    positions: int
-    forward: float
-    input_grad: float
-    weight_grad: float
-
-    def __post_init__(self):
-        where = f"conv_rates[{self.dtype}, {self.in_channels} -> {self.out_channels}, {self.positions} positions]"
-        if self.dtype not in DTYPES:
-            raise ClusterError(f"{where}: unknown dtype {self.dtype!r}; use {', '.join(DTYPES)}")
-        for field in ("in_channels", "out_channels", "positions"):
-            _check_count(f"{where}.{field}", getattr(self, field))
-        for field in ("forward", "input_grad", "weight_grad"):
-            _check_positive(f"{where}.{field}", getattr(self, field))
-
-    @property
-    def point(self) -> tuple[int, int, int]:
-        return self.in_channels, self.out_channels, self.positions
-
-
-@dataclass(frozen=True, order=True)
-class OpRate:
-    """Measured bytes/s of a layer ``op`` (a module class such as ``"MaxPool3d"``, or a function such as
-    ``"add"``, as the model analysis names it) whose forward reads and writes ``bytes``: its forward and its
-    backward, each as the layer's forward bytes per second. Several sizes of one op interpolate (caches)."""
-
-    op: str
-    bytes: int
-    forward: float
-    backward: float
-
-    def __post_init__(self):
-        if not isinstance(self.op, str) or not self.op:
-            raise ClusterError(f"op_rates: op = {self.op!r}: give the layer's op, e.g. \"MaxPool3d\"")
-        _check_count(f"op_rates[{self.op}].bytes", self.bytes)
-        for field in ("forward", "backward"):
-            _check_positive(f"op_rates[{self.op}, {self.bytes} bytes].{field}", getattr(self, field))
-
-
-def _log2_weights(logs: tuple[float, ...], value: float) -> tuple[tuple[int, float], ...]:
-    """Linear interpolation weights of ``value`` among the sorted points whose log2 are ``logs``, in log2
-    space, clamped at the ends."""
-    x = math.log2(max(value, 1))
-    if x <= logs[0]:
-        return ((0, 1.0),)
-    if x >= logs[-1]:
-        return ((len(logs) - 1, 1.0),)
-    k = next(i for i, p in enumerate(logs) if p >= x)
-    t = (x - logs[k - 1]) / (logs[k] - logs[k - 1])
-    return ((k - 1, 1 - t), (k, t))
-
-
-def _log2s(points) -> tuple[float, ...]:
-    return tuple(math.log2(p) for p in points)
 
 
 @dataclass(frozen=True)
@@ -214,9 +140,9 @@ class ClusterSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ClusterError(f"ClusterSpec.name = {self.name!r}: give a non-empty name, e.g. 'a100-80'")
         for field in ("num_nodes", "devices_per_node"):
-            _check_count(f"{owner}: {field}", getattr(self, field))
+            check_count(f"{owner}: {field}", getattr(self, field))
         for field in ("device_memory", "memory_bandwidth"):
-            _check_positive(f"{owner}: {field}", getattr(self, field))
+            check_positive(f"{owner}: {field}", getattr(self, field))
         self._check_reserved(owner)
         self._check_flops(owner)
         if isinstance(self.fast_conv_min, bool) or not isinstance(self.fast_conv_min, int) or self.fast_conv_min < 0:
@@ -246,7 +172,7 @@ class ClusterSpec:
             logs = {tuple(axes[a].index(p[a]) for a in range(3)):
                     tuple(math.log(r) for r in (row.forward, row.input_grad, row.weight_grad))
                     for p, row in rows.items()}
-            tables[dtype] = (tuple(_log2s(axis) for axis in axes), logs)
+            tables[dtype] = (tuple(log2s(axis) for axis in axes), logs)
         return tables
 
     def _op_curves(self, owner: str) -> dict:
@@ -259,7 +185,7 @@ class ClusterSpec:
                                    "op and size")
             sizes.append(row.bytes)
             logs.append((math.log(row.forward), math.log(row.backward)))
-        return {op: (_log2s(sizes), tuple(logs)) for op, (sizes, logs) in curves.items()}
+        return {op: (log2s(sizes), tuple(logs)) for op, (sizes, logs) in curves.items()}
 
     def _check_reserved(self, owner: str) -> None:
         value = self.reserved_memory
@@ -275,12 +201,12 @@ class ClusterSpec:
         for dtype, value in self.peak_flops.items():
             if dtype not in DTYPES:
                 raise ClusterError(f"{owner}: peak_flops[{dtype!r}]: unknown dtype; use {', '.join(DTYPES)}")
-            _check_positive(f"{owner}: peak_flops.{dtype}", value)
+            check_positive(f"{owner}: peak_flops.{dtype}", value)
         if set(self.efficiency) != set(KINDS):
             given = ", ".join(sorted(map(str, self.efficiency))) or "none"
             raise ClusterError(f"{owner}: efficiency has keys {given}; give exactly {', '.join(KINDS)}")
         for kind, value in self.efficiency.items():
-            _check_positive(f"{owner}: efficiency.{kind}", value)
+            check_positive(f"{owner}: efficiency.{kind}", value)
             if value > 1:
                 raise ClusterError(f"{owner}: efficiency.{kind} = {value!r}: a fraction of peak, in (0, 1]")
 
@@ -304,13 +230,13 @@ class ClusterSpec:
         rates, trilinear, clamped at the grid's ends), or ``efficiency["conv"]`` of peak; the
         ``slow_conv_rates`` alike when ``work`` (N*C*D*H of the input) is at most ``fast_conv_min``."""
         if work and work <= self.fast_conv_min and dtype in self._slow_conv_tables:
-            return _interpolate(self._slow_conv_tables[dtype], in_channels, out_channels, positions)
+            return interpolate(self._slow_conv_tables[dtype], in_channels, out_channels, positions)
         if dtype not in self._conv_tables:
             if dtype == "float32" and "tfloat32" in self.peak_flops:
                 dtype = "tfloat32"  # PyTorch runs float32 convolutions on TF32 tensor cores (cudnn.allow_tf32)
             rate = self.flops(dtype, "conv")
             return rate, rate, rate
-        return _interpolate(self._conv_tables[dtype], in_channels, out_channels, positions)
+        return interpolate(self._conv_tables[dtype], in_channels, out_channels, positions)
 
     def has_conv_rates(self, dtype: str) -> bool:
         """Whether ``conv_rates`` of ``dtype`` were measured (else convs run at ``efficiency["conv"]`` of peak)."""
@@ -324,7 +250,7 @@ class ClusterSpec:
             return self.memory_bandwidth, self.memory_bandwidth
         sizes, logs = self._op_tables[op]
         forward = backward = 0.0
-        for i, w in _log2_weights(sizes, num_bytes):
+        for i, w in log2_weights(sizes, num_bytes):
             forward += w * logs[i][0]
             backward += w * logs[i][1]
         return math.exp(forward), math.exp(backward)
@@ -350,19 +276,6 @@ class ClusterSpec:
             raise ClusterError(f"a group of {num_devices_in_group} devices cannot stay inside one "
                                f"{self.devices_per_node}-device {self.name} node; pass spans_nodes=True")
         return self.inter_node if spans_nodes else self.intra_node
-
-
-def _interpolate(table, in_channels: int, out_channels: int, positions: float) -> tuple[float, float, float]:
-    """The rates of a conv grid (``ClusterSpec._conv_grids``) at a point: log rates, trilinear in log2 of the
-    axes, clamped at the grid's ends."""
-    axes, logs = table
-    out = [0.0, 0.0, 0.0]
-    for (i, a), (j, b), (k, c) in itertools.product(_log2_weights(axes[0], in_channels),
-                                                    _log2_weights(axes[1], out_channels),
-                                                    _log2_weights(axes[2], positions)):
-        for q, log_rate in enumerate(logs[i, j, k]):
-            out[q] += a * b * c * log_rate
-    return tuple(math.exp(v) for v in out)
 
 
 def _one_node(name: str, memory_gib: float, hbm_gbs: float, tflops: dict, link_gbs: float, nic_gbs: float,

@@ -11,7 +11,8 @@ from decimal import Decimal
 from pathlib import Path
 
 from hybridpar.errors import ClusterError
-from hybridpar.plan.cluster import DTYPES, KINDS, PRESETS, ClusterSpec, ConvRate, GiB, Link, OpRate
+from hybridpar.plan.cluster import KINDS, PRESETS, ClusterSpec, GiB, Link
+from hybridpar.plan.rates import DTYPES, ConvRate, OpRate
 
 # unit -> power of ten from the TOML number to SI ("GiB" is binary, handled apart)
 EXP10 = {"GB/s": 9, "GFLOP/s": 9, "TFLOP/s": 12, "us": -6, "fraction": 0}
