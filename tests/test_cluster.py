@@ -18,8 +18,9 @@ from hybridpar.calibrate.fit import fit_p2p, fit_ring
 from hybridpar.calibrate.settings import LARGE_FACTOR, Settings
 from hybridpar.cli import main
 from hybridpar.errors import ClusterError, HybridparError
-from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, ConvRate, GiB, Link, OpRate, preset
+from hybridpar.plan.cluster import GB, PRESETS, TFLOPS, GiB, Link, preset
 from hybridpar.plan.io import cluster_from_toml, cluster_to_toml, load_cluster, write_cluster
+from hybridpar.plan.rates import ConvRate, OpRate
 
 A100 = PRESETS["a100-80"]
 

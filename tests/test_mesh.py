@@ -78,3 +78,15 @@ def test_build_mesh_axes(dist4, dims):
         coords, groups = _expected_groups(sizes, rank)
         assert got["coords"] == coords, f"rank {rank}"
         assert got["groups"] == groups, f"rank {rank}"
+
+
+@pytest.mark.parametrize("accelerator, expected", [(None, "cpu"), ("cuda", "cuda"), ("mps", "cpu")])
+def test_meshes_go_to_the_accelerator_that_has_a_collective_backend(monkeypatch, accelerator, expected):
+    """A GPU node's meshes are CUDA meshes; an Apple GPU has no collective backend of its own (gloo), so the CPU."""
+    import torch
+
+    from hybridpar.mesh import accelerator_type
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator is not None)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(accelerator or "cpu"))
+    assert accelerator_type() == expected

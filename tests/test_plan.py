@@ -17,9 +17,10 @@ from hybridpar.geometry import Window, plan_exchange, split_bounds
 from hybridpar.models import gpt
 from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, rules, search_plans, validate
 from hybridpar.plan.chains import Caches, best_chain, context, options_of
-from hybridpar.plan.cluster import ClusterSpec, ConvRate, Link, OpRate
+from hybridpar.plan.cluster import ClusterSpec, Link
 from hybridpar.plan.options import check_grid, layer_options
 from hybridpar.plan.pricing import Problem, legal_starts, price
+from hybridpar.plan.rates import ConvRate, OpRate
 from hybridpar.plan.space import Constraints, Setting, meshes, micro_batch_counts
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.validate import chain_of

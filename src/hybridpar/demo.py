@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridpar.mesh import ParallelDims, build_mesh
+from hybridpar.mesh import ParallelDims, build_mesh, device_of
 from hybridpar.parallel import data_parallel
 from hybridpar.spatial import parallelize, shard
 
@@ -37,8 +37,9 @@ def run(dims: ParallelDims, size: int, steps: int, batch: int) -> list[dict]:
 
     init_distributed()
     mesh = build_mesh(dims, dist.get_world_size())
+    device = device_of(mesh)
     torch.manual_seed(0)
-    ref = demo_net(4, size).double()
+    ref = demo_net(4, size).double().to(device)
     model = parallelize(copy.deepcopy(ref), mesh["spatial"], grid=dims.spatial, batch_norm_mesh=mesh["dp", "spatial"])
     ddp = data_parallel(model, mesh)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
@@ -46,8 +47,8 @@ def run(dims: ParallelDims, size: int, steps: int, batch: int) -> list[dict]:
     dp_rank, n = mesh["dp"].get_local_rank(), batch // dims.dp
     rows = []
     for step in range(steps):
-        x = torch.randn(batch, 4, size, size, size, dtype=torch.float64)
-        y = torch.rand(batch, 4, dtype=torch.float64) * 2 - 1
+        x = torch.randn(batch, 4, size, size, size, dtype=torch.float64).to(device)
+        y = (torch.rand(batch, 4, dtype=torch.float64) * 2 - 1).to(device)
         loss_ref = F.mse_loss(ref(x), y)
         opt_ref.zero_grad()
         loss_ref.backward()

@@ -8,6 +8,7 @@ CUDA meshes, a laptop's CPU ones); ``flat_mesh`` and ``flat_group`` span several
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hybridpar.dims import AXES, ParallelDims
@@ -15,9 +16,11 @@ from hybridpar.errors import MeshError
 
 
 def accelerator_type() -> str:
-    """The type of the accelerator this process can use (``cuda`` on a GPU node), or ``cpu``."""
+    """The type of the accelerator this process can use (``cuda`` on a GPU node), or ``cpu``: where PyTorch has no
+    collective backend of the accelerator's own (an Apple GPU, ``mps``, would run gloo), the CPU."""
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return accelerator.type if accelerator is not None else "cpu"
+    kind = accelerator.type if accelerator is not None else "cpu"
+    return kind if dist.Backend.default_device_backend_map.get(kind, "gloo") != "gloo" else "cpu"
 
 
 def build_mesh(dims: ParallelDims, world_size: int, device_type: str | None = None) -> DeviceMesh:

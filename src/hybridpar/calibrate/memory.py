@@ -35,10 +35,12 @@ def allocate_as_in_training() -> None:
 def runtime_rss_bytes() -> float:
     """The resident set of a training worker before its model: hybridpar's trainer imported (checkpointing,
     HDF5) and a DDP wrapper built (which loads torch's compiler stack and allocates communication buffers)."""
+    import rich.progress  # noqa: F401  (what a training worker has loaded: the trainer, its tasks, the display)
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel
 
-    import hybridpar.train.tasks.volumes  # noqa: F401  (what a training worker has loaded)
+    import hybridpar.train.tasks.volumes  # noqa: F401
+    import hybridpar.train.trainer  # noqa: F401
 
     DistributedDataParallel(nn.Linear(1, 1))
     return _rss_bytes()

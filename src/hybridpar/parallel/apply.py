@@ -88,7 +88,6 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch, tied)
 
 
-
 class _ScheduleLoss:
     """The loss function a pipeline's last stage calls per micro-batch, switched off (a zero) while
     ``ParallelModel.predict`` runs the schedule for its outputs: PyTorch's schedules compute the loss
@@ -99,7 +98,6 @@ class _ScheduleLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return output.new_zeros(()) if self.off else self.fn(output, target)
-
 
 
 def _tied_groups(tied: list[tuple[str, ...]], stages: dict[str, int], mesh: DeviceMesh, pp: int) -> list:
@@ -119,7 +117,6 @@ def _tied_groups(tied: list[tuple[str, ...]], stages: dict[str, int], mesh: Devi
         if mine is not None:
             out.append(mine)
     return out
-
 
 
 def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMesh, checked: Checked,
@@ -159,7 +156,6 @@ def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMes
                                    find_unused_parameters=bool(checked.graph.unused)), False
 
 
-
 def _fsdp_units(module: nn.Module, held: list[nn.Module]) -> list[nn.Module]:
     """The blocks FSDP shards one by one: those with parameters, each registered once (a parameter under two
     names, a head tied to the token embedding or a module registered twice, stays with the root, which
@@ -169,7 +165,6 @@ def _fsdp_units(module: nn.Module, held: list[nn.Module]) -> list[nn.Module]:
         count[id(p)] = count.get(id(p), 0) + 1
     return [block for block in held if any(True for _ in block.parameters())
             and all(count[id(p)] == 1 for p in block.parameters())]
-
 
 
 def _has_batch_norm(module: nn.Module) -> bool:

@@ -26,7 +26,6 @@ def buckets(tensors: list[torch.Tensor]):
         yield bucket
 
 
-
 def local_grad(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``p``'s gradient, laid out as ``p`` is (DTensor may leave the gradient of a split
     parameter whole on every rank; it is then made split as the parameter, which slices it locally)."""
@@ -57,8 +56,7 @@ def sum_tied_gradients(modules, tied: list) -> None:
 
 def all_reduce_gradients(parameters: list[torch.Tensor], group) -> None:
     """The mean of every local gradient of ``parameters`` over ``group`` (the ``dp x spatial`` ranks), flattened
-    into buckets of at most
-    ``BUCKET_BYTES`` (as DDP does): one all-reduce per bucket, not one per parameter."""
+    into buckets of at most ``BUCKET_BYTES`` (as DDP does): one all-reduce per bucket, not one per parameter."""
     size = dist.get_world_size(group)
     grads = [local_grad(p) for p in parameters if p.grad is not None]
     for bucket in buckets(grads):

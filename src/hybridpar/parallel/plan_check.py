@@ -34,7 +34,6 @@ class Checked:
     micro_graph: ModelGraph | None = None
 
 
-
 def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None = None,
                graph: ModelGraph | None = None) -> Checked:
     """Every check of ``plan`` against ``model`` that needs no process group, identical on every rank (``model``
@@ -76,7 +75,6 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
     return Checked(graph, splits, groups, micro)
 
 
-
 def _check_cuts_whole(graph: ModelGraph, plan: Plan, splits: dict) -> None:
     """What crosses a pipeline cut is whole over tp (a stage receives the global shapes of the analysis)."""
     split = {graph.index_of(name) for name, s in splits.items()
@@ -90,7 +88,6 @@ def _check_cuts_whole(graph: ModelGraph, plan: Plan, splits: dict) -> None:
                             "split over tp there; cut outside the layers that split together")
 
 
-
 def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example, groups: list[list[str]]) -> ModelGraph:
     """The graph of one micro-batch: the shapes the pipeline stages exchange and stand in for; each stage is
     run on the meta device, as it will run, so that a forward the stages cannot run fails here."""
@@ -99,7 +96,6 @@ def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example, group
     micro = graph_of(model, piece, dtype=_dtype_name(model))
     pipeline.check_stages(model, micro, groups)
     return micro
-
 
 
 def check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
@@ -114,7 +110,6 @@ def check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
                         "build the mesh from the plan's degrees (hybridpar.mesh.build_mesh(plan.dims, world_size))")
 
 
-
 def _example(model: nn.Module, plan: Plan, example_input: torch.Tensor | None):
     if example_input is not None:
         return example_input
@@ -123,11 +118,9 @@ def _example(model: nn.Module, plan: Plan, example_input: torch.Tensor | None):
     return torch.zeros(plan.input_shape, dtype=input_dtype_of(model))
 
 
-
 def _dtype_name(model: nn.Module) -> str:
     param = next(model.parameters(), None)
     return str(param.dtype).removeprefix("torch.") if param is not None else "float32"
-
 
 
 def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[str]]:
@@ -144,11 +137,9 @@ def _stage_groups(model: nn.Module, graph: ModelGraph, plan: Plan) -> list[list[
     return groups
 
 
-
 def replica_batch(plan: Plan, example_batch: int) -> int:
     """The samples of one replica per step: of the plan's global batch, or of the example input's."""
     return (example_batch if plan.global_batch <= 1 else plan.global_batch) // plan.dp
-
 
 
 def holding_stages(names, groups: list[list[str]], pp: int) -> dict[str, int]:

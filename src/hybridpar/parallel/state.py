@@ -32,7 +32,6 @@ def local_tensors(module: nn.Module, buffers: bool = True):
                 yield original_name(f"{prefix}.{name}" if prefix else name), tensor, split, name
 
 
-
 def whole_tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     """Whole parameters (or their gradients) and buffers of ``module``, by their original names: DTensors
     gathered, channel-split convolutions reassembled. Collective over the tp and dp ranks."""
@@ -44,7 +43,6 @@ def whole_tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
         out[key] = gather_parameter(value, split, name) if split else value
     return out
-
 
 
 def original_name(name: str) -> str:

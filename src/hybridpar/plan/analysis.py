@@ -111,8 +111,6 @@ def install_hooks(model: nn.Module, tracer: Tracer, calls: BlockCalls) -> list:
     return handles
 
 
-
-
 def input_dtype_of(model: nn.Module) -> torch.dtype:
     """The input a model takes by default: token ids (``torch.long``) if its first module is an
     ``nn.Embedding``, else a float volume or sequence of the model's floating dtype."""
@@ -312,8 +310,6 @@ def _module_features(module: nn.Module, num_spatial: int) -> dict:
 
 def _per_dim(value, n: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-
-
 
 
 __all__ = ["DTYPES", "analyse", "blocks", "graph_of", "input_dtype_of"]

@@ -48,7 +48,7 @@ def context(cluster: ClusterSpec, c: Constraints, dims: ParallelDims, micro_batc
 @dataclass(frozen=True)
 class Chain:
     """The per-layer choice for one mesh: an option per layer, the time of the layout changes the runtime
-    makes at each layer (``layers.redistribution``), and the tp layout of each layer's output as its readers
+    makes at each layer (``options.redistribution``), and the tp layout of each layer's output as its readers
     get it (``R`` whole, ``S`` split)."""
 
     options: tuple[Option, ...]

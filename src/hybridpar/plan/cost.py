@@ -12,7 +12,7 @@ gloo choose by size, over the group's link (the inter-node link once a group spa
 Where ranks meet after computing apart -- a layer's communication in each pass, a pipeline send, the
 gradient synchronisation -- they also wait ``Link.sync_wait`` (0 unless calibrate measured it): the ranks
 arrive at different moments, and the communication of one pass waits once (its later operations follow
-at once; a split normalisation computes between its two collectives and meets twice, ``layers._meetings``).
+at once; a split normalisation computes between its two collectives and meets twice, ``options._meetings``).
 
 Compute follows the roofline: a layer takes the longer of its FLOPs at the achievable rate of its
 kind and its bytes at the memory rate of its op (``layer_times``).

@@ -260,5 +260,4 @@ class ModelGraph:
         return out
 
 
-
 __all__ = ["CONST", "INPUT", "PARAM", "BlockArg", "BlockCall", "Layer", "ModelGraph", "Read"]

@@ -215,7 +215,6 @@ def assemble(x: torch.Tensor, exchanges, comm: SpatialComm, fill: float = 0.0) -
     return x
 
 
-
 def rows_of(pieces: list[torch.Tensor], start: int, stop: int, dim: int) -> torch.Tensor:
     """Rows ``[start, stop)`` of the concatenation of ``pieces`` along ``dim``, without building it all."""
     out, offset = [], 0

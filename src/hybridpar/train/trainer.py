@@ -102,6 +102,12 @@ def finished_at(config: Config, resume_from: Path | None) -> int | None:
     return step if step >= config.train.steps else None
 
 
+def _batches(run: Run, start: int, stop: int):
+    """The task's batches, agreed on by every rank where they come from files (``agree.agreed``)."""
+    batches = run.task.batches(start, stop)
+    return agreed(batches, run.parallel.device) if run.task.reads_files else batches
+
+
 def prepare_run_dir(config: Config, resume: bool) -> Path | None:
     """The checkpoint to resume from (``None`` for a fresh run); refuses to overwrite a previous run."""
     run_dir = Path(config.run_dir)
@@ -125,6 +131,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     """Train on this rank; returns the run's summary (on every rank). Rank 0 logs the plan and the data's
     warnings (``logging``) and shows ``progress(config, start, stop)``: a context manager with ``advance(record)``
     and ``validated(step, metrics)`` (the command's progress bar and lines; none by default)."""
+    check_tensorboard(config)  # on every rank, before any collective
     resume_from = prepare_run_dir(config, resume)
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
     run = setup(config)
@@ -147,7 +154,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     begin = time.perf_counter()
     shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
     with shown:
-        for step, x, y in agreed(run.task.batches(start, stop), run.parallel.device):
+        for step, x, y in _batches(run, start, stop):
             loss, lr = train_step(run, step, x, y)
             done = step + 1
             record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}

@@ -17,6 +17,7 @@ class Task(Protocol):
     """One run's model, data, loss and metrics, in the order the trainer calls them."""
 
     has_validation: bool
+    reads_files: bool  # its batches may fail on one rank (a file that broke): the trainer agrees on each
 
     def check(self, world_size: int) -> Plan:
         """The checks that need no process group (data files, the loss, the model on the meta device) and the

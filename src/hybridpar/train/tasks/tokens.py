@@ -25,6 +25,7 @@ def build_model(config: Config) -> torch.nn.Module:
 
 class Tokens:
     has_validation = True
+    reads_files = False  # the stream is computed, the same on every rank
 
     def __init__(self, config: Config):
         self.config = config

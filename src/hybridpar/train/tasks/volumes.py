@@ -98,6 +98,8 @@ def loss_fn(name: str, spatial_mesh, output: torch.Tensor, target: torch.Tensor)
 
 
 class Volumes:
+    reads_files = True
+
     def __init__(self, config: Config):
         self.config = config
         self.train_set: SlabDataset | None = None
