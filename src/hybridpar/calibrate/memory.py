@@ -46,14 +46,22 @@ def runtime_rss_bytes() -> float:
     return _rss_bytes()
 
 
-def _rss_bytes() -> float:
-    """This process's resident memory (VmRSS of /proc/self/status; peak RSS where there is no /proc)."""
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The ``key:`` line of a /proc file in bytes (its kB value), or ``None`` where there is no /proc."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _rss_bytes() -> float:
+    """This process's resident memory (VmRSS of /proc/self/status; peak RSS where there is no /proc)."""
+    rss = _proc_bytes("/proc/self/status", "VmRSS")
+    if rss is not None:
+        return rss
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
@@ -61,10 +69,5 @@ def _rss_bytes() -> float:
 
 def mem_total() -> float:
     """Bytes of memory of this machine (MemTotal of /proc/meminfo)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = _proc_bytes("/proc/meminfo", "MemTotal")
+    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -66,7 +66,6 @@ def check(config: Config, world_size: int) -> Plan:
     (searched, read or from ``[mesh]``, for ``world_size`` processes, checked against the model as
     ``hybridpar.parallelize`` will apply it). ``hybridpar train`` runs them before starting workers, and every
     worker runs them again before any communication."""
-    check_tensorboard(config)
     task = task_for(config)
     try:
         return task.check(world_size)
