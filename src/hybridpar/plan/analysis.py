@@ -42,7 +42,7 @@ from hybridpar.errors import HybridparError, PlanError
 from hybridpar.geometry import Window
 from hybridpar.plan import rules
 from hybridpar.plan.graph import INPUT, BlockCall, Layer, ModelGraph
-from hybridpar.plan.trace import REPLICATED, WHOLE_MODULES, BlockCalls, Tracer, is_leaf, module_kind
+from hybridpar.plan.trace import REPLICATED, WHOLE_MODULES, BlockCalls, LayerTrace, Tracer, is_leaf, module_kind
 
 SPLITTABLE_TYPES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # exact types tensor parallelism splits
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,8 +88,8 @@ def install_hooks(model: nn.Module, tracer: Tracer, calls: BlockCalls) -> list:
                     kind = module_kind(m) or "other"
                     calls_so_far = tracer.counts[path] = tracer.counts.get(path, -1) + 1
                     name = path if calls_so_far == 0 else f"{path}#{calls_so_far}"  # a module called again
-                    tracer.module_records[id(m)] = tracer.begin(name, kind, type(m).__name__, args, kwargs, m)
-                    tracer.module_records[id(m)]["path"] = path
+                    tracer.module_records[id(m)] = tracer.begin(name, kind, type(m).__name__, args, kwargs, m,
+                                                                path=path)
                 tracer.inside_leaf += 1
                 tracer.converted += converted
 
@@ -184,8 +184,8 @@ def _graph(model: nn.Module, tracer: Tracer, calls: BlockCalls, input_shape, x, 
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     order = calls.order + [n for n in calls.names if n not in calls.order]
     index = {name: i for i, name in enumerate(order)}
-    block_calls = tuple(BlockCall(index[c["block"]], c["args"], c["output"], c["layers"], c["returns"])
-                        for c in calls.calls if "output" in c)
+    block_calls = tuple(BlockCall(index[c.block], c.args, c.output, c.layers, c.returns)
+                        for c in calls.calls if c.output is not None)
     return ModelGraph(tuple(layers), input_shape, x.numel() * x.element_size(), param_bytes, params,
                       tuple(tuple(c) for c in consumers), type(model).__name__, tuple(order), block_calls,
                       shared, str(x.dtype).removeprefix("torch."),
@@ -248,28 +248,28 @@ def _block_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _layer(r: dict) -> Layer:
-    module = r["module"]
-    kind = r["kind"]
+def _layer(r: LayerTrace) -> Layer:
+    module = r.module
+    kind = r.kind
     params = list(module.parameters()) if module is not None else []
-    if kind == "other" and module is not None and _elementwise(module, r["functions"], params):
+    if kind == "other" and module is not None and _elementwise(module, r.functions, params):
         kind = "pointwise"
-    names = r["params"]
+    names = r.params
     if module is not None:
-        names = tuple(f"{r['path']}.{n}" for n, _ in module.named_parameters())
-    extra = _module_features(module, len(r["out"]) - 2) if module is not None else {}
-    if kind == "attention" and "heads" in r:
-        extra.update(heads=r["heads"], kv_heads=r["kv_heads"])
+        names = tuple(f"{r.path}.{n}" for n, _ in module.named_parameters())
+    extra = _module_features(module, len(r.out) - 2) if module is not None else {}
+    if kind == "attention" and r.heads:
+        extra.update(heads=r.heads, kv_heads=r.kv_heads)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     return Layer(
-        index=r["index"], name=r["name"], kind=kind, op=r["op"], inputs=r["inputs"],
-        in_shape=r["in"][0] if r["in"] else (), out_shape=r["out"], dtype_bytes=r["dtype_bytes"],
-        flops=float(r["flops"]), bytes_moved=float(r["in_bytes"] + r["out_bytes"] + param_bytes),
-        out_bytes=r["out_bytes"], saved_bytes=r["saved"], param_bytes=param_bytes,
-        num_params=sum(p.numel() for p in params), spatial_in=r["spatial_in"],
-        has_weight=any(p.requires_grad for p in params), reads=r["reads"], args=r["args"], params=names,
-        exact=module is not None and type(module) in SPLITTABLE_TYPES, outputs=r["outputs"],
-        path=r.get("path", ""), **extra,
+        index=r.index, name=r.name, kind=kind, op=r.op, inputs=r.inputs,
+        in_shape=r.in_shapes[0] if r.in_shapes else (), out_shape=r.out, dtype_bytes=r.dtype_bytes,
+        flops=float(r.flops), bytes_moved=float(r.in_bytes + r.out_bytes + param_bytes),
+        out_bytes=r.out_bytes, saved_bytes=r.saved, param_bytes=param_bytes,
+        num_params=sum(p.numel() for p in params), spatial_in=r.spatial_in,
+        has_weight=any(p.requires_grad for p in params), reads=r.reads, args=r.args, params=names,
+        exact=module is not None and type(module) in SPLITTABLE_TYPES, outputs=r.outputs,
+        path=r.path, **extra,
     )
 
 

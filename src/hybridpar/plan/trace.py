@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -55,6 +56,48 @@ def structure(obj) -> tuple:
     return ("other", type(obj).__name__)
 
 
+@dataclass
+class LayerTrace:
+    """One layer as the trace fills it in: when its call begins (what it reads), while it runs (what autograd saves,
+    the functions a module calls) and when it ends (what it returns); ``analysis`` makes it a ``graph.Layer``."""
+
+    name: str
+    kind: str
+    op: str
+    inputs: tuple[int, ...]
+    reads: tuple[Read, ...]
+    module: nn.Module | None
+    in_shapes: tuple[tuple[int, ...], ...]
+    in_bytes: int
+    args: tuple
+    params: tuple[str, ...]
+    flops0: float  # the flop counter's total when the call began
+    spatial_in: bool
+    path: str = ""
+    saved: int = 0
+    functions: set[str] = field(default_factory=set)
+    heads: int = 0
+    kv_heads: int = 0
+    index: int = -1
+    flops: float = 0.0
+    out: tuple[int, ...] = ()
+    outputs: int = 0
+    out_bytes: int = 0
+    dtype_bytes: int = 4
+
+
+@dataclass
+class CallTrace:
+    """One call of a block: what it receives, then (when it returns) what it returns and its layers' span."""
+
+    block: str
+    args: tuple[BlockArg, ...]
+    first: int  # the index of its first layer
+    output: tuple | None = None  # ``structure`` of what it returns
+    returns: tuple[int, ...] = ()
+    layers: tuple[int, int] = (0, 0)  # [first, stop) of its layers
+
+
 class Tracer(TorchFunctionMode):
     """Records leaf modules and the tensor operations between them as layers, and the spatial runtime's
     verdict on each operation a split volume meets."""
@@ -65,11 +108,11 @@ class Tracer(TorchFunctionMode):
         self.info: dict[int, tuple[int, int, tuple, tuple]] = {}  # id -> (source, output, dims, blocks)
         self.alive: list[torch.Tensor] = []
         self._produce(x, INPUT)
-        self.records: list[dict] = []
+        self.records: list[LayerTrace] = []
         self.module_stack: list[str] = []
         self.inside_leaf = 0
         self.converted = 0  # inside a module the spatial runtime converts: its operations are not checked
-        self.current: dict | None = None
+        self.current: LayerTrace | None = None
         self.saved: set[int] = set()
         self.params = {id(p): (name,) for name, p in model.named_parameters()}  # also views of them, and tensors
         # computed from them alone (``weight.t()``, ``log_scale.exp()``): what they are read as
@@ -77,7 +120,7 @@ class Tracer(TorchFunctionMode):
         self.counts: dict[str, int] = {}
         self.quiet = 0  # our own bookkeeping (numel, shapes) is not the model's
         self.status: dict[int, str] = {id(x): PARTITIONED} if volume else {}
-        self.module_records: dict[int, dict] = {}
+        self.module_records: dict[int, LayerTrace] = {}
         self.values: dict[int, int] = {}  # id of a tensor passed to a block -> its number (BlockArg.value)
         self.refusals: list[tuple[int | None, str]] = []
         self.training = model.training
@@ -164,49 +207,49 @@ class Tracer(TorchFunctionMode):
             self.quiet -= 1
 
     def begin(self, name: str, kind: str, op: str, args, kwargs, module: nn.Module | None = None,
-              flops0: float | None = None) -> dict:
+              flops0: float | None = None, path: str = "") -> LayerTrace:
         with self.own():
-            return self._begin(name, kind, op, args, kwargs, module, flops0)
+            return self._begin(name, kind, op, args, kwargs, module, flops0, path)
 
-    def _begin(self, name, kind, op, args, kwargs, module, flops0) -> dict:
+    def _begin(self, name, kind, op, args, kwargs, module, flops0, path) -> LayerTrace:
         tensors = self._tensors((args, kwargs))
         reads = tuple(self._read(t) for t in tensors)
         inputs = tuple(dict.fromkeys(r.source for r in reads if r.source >= INPUT))
-        record = {
-            "name": name, "kind": kind, "op": op, "inputs": inputs, "reads": reads, "module": module,
-            "in": [tuple(t.shape) for t in tensors], "in_bytes": _bytes(tensors), "args": _simple_args(args, kwargs),
-            "params": tuple(dict.fromkeys(name for r in reads if r.source == PARAM for name in r.params)),
-            "flops0": self.counter.get_total_flops() if flops0 is None else flops0, "saved": 0, "functions": set(),
-            "spatial_in": bool(tensors) and self.status.get(id(tensors[0])) == PARTITIONED,
-        }
+        record = LayerTrace(
+            name=name, kind=kind, op=op, inputs=inputs, reads=reads, module=module,
+            in_shapes=tuple(tuple(t.shape) for t in tensors), in_bytes=_bytes(tensors), args=_simple_args(args, kwargs),
+            params=tuple(dict.fromkeys(name for r in reads if r.source == PARAM for name in r.params)),
+            flops0=self.counter.get_total_flops() if flops0 is None else flops0,
+            spatial_in=bool(tensors) and self.status.get(id(tensors[0])) == PARTITIONED, path=path,
+        )
         self.current = record
         return record
 
-    def end(self, record: dict, out, flops: float | None = None) -> None:
+    def end(self, record: LayerTrace, out, flops: float | None = None) -> None:
         with self.own():
             self._end(record, out, flops)
 
-    def _end(self, record: dict, out, flops: float | None) -> None:
+    def _end(self, record: LayerTrace, out, flops: float | None) -> None:
         tensors = self._tensors(out)
-        record["index"] = len(self.records)
-        record["flops"] = self.counter.get_total_flops() - record["flops0"] if flops is None else flops
-        record["out"] = tuple(tensors[0].shape) if tensors else ()
-        record["outputs"] = len(tensors)
-        record["out_bytes"] = _bytes(tensors)
-        record["dtype_bytes"] = tensors[0].element_size() if tensors else 4
+        record.index = len(self.records)
+        record.flops = self.counter.get_total_flops() - record.flops0 if flops is None else flops
+        record.out = tuple(tensors[0].shape) if tensors else ()
+        record.outputs = len(tensors)
+        record.out_bytes = _bytes(tensors)
+        record.dtype_bytes = tensors[0].element_size() if tensors else 4
         self.records.append(record)
-        self._produce(out, record["index"])
+        self._produce(out, record.index)
         self.current = None
 
     def pack(self, t: torch.Tensor):
-        if self.current is None or self.current["kind"] == "attention":  # counted by _attention_saved
+        if self.current is None or self.current.kind == "attention":  # counted by _attention_saved
             return t
         with self.own():
             base = t._base if t._base is not None else t
             if id(base) not in self.params and id(t) not in self.params and id(base) not in self.saved:
                 self.saved.add(id(base))
                 self.alive.append(base)
-                self.current["saved"] += base.numel() * base.element_size()
+                self.current.saved += base.numel() * base.element_size()
         return t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -220,7 +263,7 @@ class Tracer(TorchFunctionMode):
             out = func(*args, **kwargs)
             with self.own():
                 if self.current is not None and self._tensors(out):
-                    self.current["functions"].add(name)
+                    self.current.functions.add(name)
                 self._spatial(name, args, kwargs, out)
             return out
         with self.own():
@@ -250,11 +293,11 @@ class Tracer(TorchFunctionMode):
             self._spatial(name, args, kwargs, out)
             parent = self.module_stack[-1] if self.module_stack else ""
             k = self.counts[f"{parent}:{name}"] = self.counts.get(f"{parent}:{name}", -1) + 1
-            record["name"] = f"{parent}:{name}#{k}" if parent else f"{name}#{k}"
+            record.name = f"{parent}:{name}#{k}" if parent else f"{name}#{k}"
             if kind == "attention":
                 q, key = (list(args) + [kwargs.get("query"), kwargs.get("key")])[:2]
-                record["heads"], record["kv_heads"] = q.shape[-3], key.shape[-3]
-                record["saved"] = self._attention_saved(args, kwargs, out)
+                record.heads, record.kv_heads = q.shape[-3], key.shape[-3]
+                record.saved = self._attention_saved(args, kwargs, out)
         self.end(record, out, _attention_flops(args, kwargs) if kind == "attention" else None)
         return out
 
@@ -324,7 +367,7 @@ class BlockCalls:
     def __init__(self, tracer: Tracer, names: list[str]):
         self.tracer, self.names = tracer, names
         self.order: list[str] = []  # blocks in the order of their first call
-        self.calls: list[dict] = []
+        self.calls: list[CallTrace] = []
 
     def enter(self, name: str, args, kwargs) -> None:
         with self.tracer.own():
@@ -343,7 +386,7 @@ class BlockCalls:
                                            leaf.requires_grad, value))
         if name not in self.order:
             self.order.append(name)
-        self.calls.append({"block": name, "args": tuple(block_args), "first": len(t.records)})
+        self.calls.append(CallTrace(name, tuple(block_args), len(t.records)))
 
     def leave(self, name: str, out) -> None:
         with self.tracer.own():
@@ -351,10 +394,10 @@ class BlockCalls:
 
     def _leave(self, name: str, out) -> None:
         t = self.tracer
-        call = next(c for c in reversed(self.calls) if c["block"] == name and "output" not in c)
-        call["output"] = structure(out)
-        call["returns"] = tuple(t.values.setdefault(id(x), len(t.values)) for x in t._tensors(out))
+        call = next(c for c in reversed(self.calls) if c.block == name and c.output is None)
+        call.output = structure(out)
+        call.returns = tuple(t.values.setdefault(id(x), len(t.values)) for x in t._tensors(out))
         t.alive.extend(t._tensors(out))
-        call["layers"] = (call.pop("first"), len(t.records))
+        call.layers = (call.first, len(t.records))
 
 

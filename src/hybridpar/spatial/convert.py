@@ -23,10 +23,11 @@ from hybridpar.geometry import Grid
 from hybridpar.mesh import flat_group
 from hybridpar.plan import rules
 from hybridpar.spatial import checks
+from hybridpar.spatial.base import SpatialLayer
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED
 from hybridpar.spatial.collectives import gather_slabs
 from hybridpar.spatial.halo import ExchangeStats, SpatialComm
-from hybridpar.spatial.layers import LAYERS, SpatialLayer
+from hybridpar.spatial.layers import LAYERS, Geometry
 
 _MAX_DIMS = 8
 
@@ -38,7 +39,7 @@ class LayerRecord:
     status: str | None
     global_in: tuple[int, ...]
     local_in: tuple[int, ...]
-    geo: object
+    geo: Geometry
 
 
 @dataclass
