@@ -103,7 +103,7 @@ class StandIn(nn.Module):
 
 
 def zeros_like_structure(structure: tuple, device: torch.device):
-    """Zeros shaped as ``structure`` (``hybridpar.plan.trace.structure``) describes."""
+    """Zeros shaped as ``structure`` (``hybridpar.plan.calls.structure``) describes."""
     kind, rest = structure[0], structure[1:]
     if kind == "tensor":
         shape, dtype, _ = rest

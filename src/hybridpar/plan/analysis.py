@@ -41,8 +41,9 @@ from hybridpar import meta
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.geometry import Window
 from hybridpar.plan import rules
+from hybridpar.plan.calls import BlockCalls
 from hybridpar.plan.graph import INPUT, BlockCall, Layer, ModelGraph
-from hybridpar.plan.trace import REPLICATED, WHOLE_MODULES, BlockCalls, LayerTrace, Tracer, is_leaf, module_kind
+from hybridpar.plan.trace import REPLICATED, WHOLE_MODULES, LayerTrace, Tracer, is_leaf, module_kind
 
 SPLITTABLE_TYPES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # exact types tensor parallelism splits
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

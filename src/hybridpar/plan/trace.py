@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from hybridpar.plan import rules
-from hybridpar.plan.graph import CONST, INPUT, PARAM, BlockArg, Read
+from hybridpar.plan.graph import CONST, INPUT, PARAM, Read
 
 PARTITIONED, REPLICATED = "partitioned", "replicated"  # of a spatially split model's tensors
 
@@ -39,21 +39,6 @@ MODULE_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
     ((nn.MultiheadAttention,), "attention"),
 )
 WHOLE_MODULES = (nn.MultiheadAttention,)  # analysed as one layer though they have children
-
-
-def structure(obj) -> tuple:
-    """What a forward or block returns, as nested tuples: ``("tensor", shape, dtype, requires_grad)``,
-    ``("tuple" | "list", items)``, ``("dict", ((key, item), ...))``, ``("value", v)`` for ``None``, numbers and
-    strings, ``("other", type name)`` for anything else."""
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), str(obj.dtype).removeprefix("torch."), obj.requires_grad)
-    if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
-        return (type(obj).__name__, tuple(structure(x) for x in obj))
-    if type(obj) is dict:
-        return ("dict", tuple((k, structure(v)) for k, v in obj.items()))
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return ("value", obj)
-    return ("other", type(obj).__name__)
 
 
 @dataclass
@@ -84,18 +69,6 @@ class LayerTrace:
     outputs: int = 0
     out_bytes: int = 0
     dtype_bytes: int = 4
-
-
-@dataclass
-class CallTrace:
-    """One call of a block: what it receives, then (when it returns) what it returns and its layers' span."""
-
-    block: str
-    args: tuple[BlockArg, ...]
-    first: int  # the index of its first layer
-    output: tuple | None = None  # ``structure`` of what it returns
-    returns: tuple[int, ...] = ()
-    layers: tuple[int, int] = (0, 0)  # [first, stop) of its layers
 
 
 class Tracer(TorchFunctionMode):
@@ -359,45 +332,3 @@ def _is_norm(module: nn.Module) -> bool:
 
 def is_leaf(module: nn.Module) -> bool:
     return isinstance(module, WHOLE_MODULES) or not any(True for _ in module.children())
-
-
-class BlockCalls:
-    """Records the calls of the model's blocks: what each receives and returns."""
-
-    def __init__(self, tracer: Tracer, names: list[str]):
-        self.tracer, self.names = tracer, names
-        self.order: list[str] = []  # blocks in the order of their first call
-        self.calls: list[CallTrace] = []
-
-    def enter(self, name: str, args, kwargs) -> None:
-        with self.tracer.own():
-            self._enter(name, args, kwargs)
-
-    def _enter(self, name: str, args, kwargs) -> None:
-        t = self.tracer
-        leaves = tree_flatten((args, kwargs))[0]
-        block_args = []
-        for k, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                source = t.info[id(leaf)][0] if id(leaf) in t.info else (PARAM if id(leaf) in t.params else CONST)
-                value = t.values.setdefault(id(leaf), len(t.values))
-                t.alive.append(leaf)
-                block_args.append(BlockArg(k, source, tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."),
-                                           leaf.requires_grad, value))
-        if name not in self.order:
-            self.order.append(name)
-        self.calls.append(CallTrace(name, tuple(block_args), len(t.records)))
-
-    def leave(self, name: str, out) -> None:
-        with self.tracer.own():
-            self._leave(name, out)
-
-    def _leave(self, name: str, out) -> None:
-        t = self.tracer
-        call = next(c for c in reversed(self.calls) if c.block == name and c.output is None)
-        call.output = structure(out)
-        call.returns = tuple(t.values.setdefault(id(x), len(t.values)) for x in t._tensors(out))
-        t.alive.extend(t._tensors(out))
-        call.layers = (call.first, len(t.records))
-
-
