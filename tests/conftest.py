@@ -1,11 +1,13 @@
-import os
-import sys
+"""Shared by every folder: one pool of gloo ranks per world size (``dist2``, ``dist4``, ``dist8``) and the
+markers ``dist`` (a test that uses a pool) and ``e2e`` (a test under ``tests/e2e``)."""
+
+from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+from support.harness import Pool
 
-from harness import Pool  # noqa: E402
+E2E = Path(__file__).parent / "e2e"
 
 _POOLS: dict[int, Pool] = {}
 
@@ -32,10 +34,13 @@ def dist8():
 
 
 def pytest_collection_modifyitems(items):
-    """A test that runs in a pool of processes is marked ``dist`` (``-m "not dist"``: the single-process set)."""
+    """A test that runs in a pool of processes is marked ``dist`` (``-m "not dist"``: the single-process set);
+    one under ``tests/e2e`` (the command line, training in fresh workers) ``e2e``."""
     for item in items:
         if {"dist2", "dist4", "dist8"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.dist)
+        if item.path.is_relative_to(E2E):
+            item.add_marker(pytest.mark.e2e)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from equivalence import check_step, plan_mesh, replica_slice
 from hybridpar import parallelize
 from hybridpar.errors import PlanError
 from hybridpar.models.gpt import lm_loss
@@ -20,6 +19,7 @@ from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import graph_of
 from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
+from support.equivalence import check_step, plan_mesh, replica_slice
 
 transformers = pytest.importorskip("transformers")
 monai = pytest.importorskip("monai")

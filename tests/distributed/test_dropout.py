@@ -4,7 +4,7 @@ follow the mask exactly, and identity in eval mode."""
 
 import pytest
 
-import cases_extra
+from support import cases_extra
 
 SHAPE = (2, 2, 8, 6, 4)
 SHAPE_UNEVEN = (2, 2, 9, 6, 5)

@@ -3,7 +3,7 @@ global batch: every loss and every parameter after every step (float64, 1e-10)."
 
 import pytest
 
-import cases
+from support import cases
 
 
 @pytest.mark.parametrize("grid", [(2, 1, 1), (1, 1, 2)], ids=str)

@@ -3,7 +3,7 @@ names the place (module path or 'the model input'), the value and the fix."""
 
 import pytest
 
-import cases_extra
+from support import cases_extra
 
 HANG = 30  # seconds: a rank that did not raise would wait in a collective; the harness reports it as a hang
 

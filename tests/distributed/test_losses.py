@@ -4,7 +4,7 @@ calls backward on the same global loss); float64, even and uneven grids, 2 and 4
 
 import pytest
 
-import cases_extra
+from support import cases_extra
 
 NAMES = list(cases_extra.LOSS_NAMES)
 TWO = [((2, 3, 8, 6, 4), (2, 1, 1)), ((2, 3, 9, 6, 5), (2, 1, 1)), ((2, 3, 4, 6, 5), (1, 1, 2))]

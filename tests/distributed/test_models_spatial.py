@@ -7,7 +7,6 @@ import pytest
 
 from support import cases
 
-
 EQUIVALENCE = [
     ("cosmoflow", dict(size=32, base_channels=2), (2, 4, 32, 32, 32)),
     ("cosmoflow", dict(size=32, base_channels=2, batch_norm=True), (2, 4, 32, 32, 32)),

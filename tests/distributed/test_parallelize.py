@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import harness
-from equivalence import TOL, check_step, plan_mesh, replica_slice
 from hybridpar import parallelize
 from hybridpar.errors import PlanError
 from hybridpar.mesh import AXES
@@ -22,7 +20,9 @@ from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import cluster_of, graph_of, search_plans
 from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
-from models import Attention
+from support import harness
+from support.equivalence import TOL, check_step, plan_mesh, replica_slice
+from support.models import Attention
 
 BATCH, T, VOCAB = 8, 8, 16
 

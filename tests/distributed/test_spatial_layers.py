@@ -3,7 +3,7 @@ statistics; float64; 1-D, 2-D and 3-D grids, even and uneven slabs, 2, 4 and 8 r
 
 import pytest
 
-import cases
+from support import cases
 
 C = dict(in_channels=2, out_channels=3)
 CONV3D = [

@@ -10,11 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import harness
 from hybridpar.errors import PlanError
 from hybridpar.parallel.channels import ChannelParallelConv, FilterParallelConv
 from hybridpar.parallel.tensor import pair_strategies, tensor_parallel
 from hybridpar.plan import graph_of
+from support import harness
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)  # float64: the split sums the same products in another order
 

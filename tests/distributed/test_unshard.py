@@ -3,7 +3,7 @@ gradient: each slab receives the sum over ranks of the gradient of the global te
 
 import pytest
 
-import cases_extra
+from support import cases_extra
 
 TWO = [((2, 3, 8), (2,)), ((2, 3, 9), (2,)), ((1, 2, 7, 5), (2, 1)), ((1, 2, 6, 5), (1, 2)),
        ((1, 2, 5, 4, 3), (1, 1, 2))]

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from argv import with_options
 from hybridpar.cli import main
 from hybridpar.models.registry import build_for_planning
 from hybridpar.plan import Plan
+from support.argv import with_options
 
 SMALL = ["plan", "--model", "cosmoflow", "--input", "1x4x64x64x64", "--cluster", "a100-80", "--devices", "16",
          "--batch", "8"]
@@ -64,7 +64,7 @@ def test_bad_input_shape_is_an_argument_error(capsys):
 
 
 def test_an_importable_factory_is_planned(capsys):
-    assert main(["plan", "--model", "models:TinyCosmoFlow", "--input", "1x2x16x16x16", "--cluster", "a100-80",
+    assert main(["plan", "--model", "support.models:TinyCosmoFlow", "--input", "1x2x16x16x16", "--cluster", "a100-80",
                  "--devices", "2", "--batch", "2", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["plans"]
 
@@ -78,8 +78,8 @@ def test_models_are_built_on_the_meta_device():
 def test_a_token_model_from_a_factory_is_planned(capsys):
     """A language model gets token ids (its first module is an embedding) without being told; given floats,
     the error says which dtype it got and how to choose another."""
-    argv = ["plan", "--model", "models:tiny_token_model", "--input", "8x16", "--cluster", "a100-80", "--devices", "4",
-            "--format", "json"]
+    argv = ["plan", "--model", "support.models:tiny_token_model", "--input", "8x16", "--cluster", "a100-80",
+            "--devices", "4", "--format", "json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["plans"]
     assert main(argv + ["--input-dtype", "int64"]) == 0

@@ -19,6 +19,7 @@ from hybridpar.plan.io import write_cluster
 from hybridpar.train import checkpoint_dir, metrics
 from hybridpar.train.config import load
 from hybridpar.train.tasks.volumes import build_model, datasets
+from hybridpar.train.trainer import check
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # each test trains through the CLI in fresh workers
 
@@ -177,6 +178,18 @@ def test_resume_equals_uninterrupted(tmp_path, cosmo_data):
     for name, w in final_weights(full).items():
         torch.testing.assert_close(final_weights(part)[name], w, rtol=0, atol=0)
     assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "part" / "checkpoints")] == [2, 4]
+
+
+def test_epochs_are_passes_of_the_plans_replicas(tmp_path, cosmo_data):
+    """``train.epochs``: 8 samples, batches of 4 over dp=2 replicas of 4 samples each: 2 steps per epoch, counted
+    before any worker starts; the finished run resumed trains nothing and starts no worker."""
+    cfg = write_config(tmp_path / "e.toml", COSMO, run=tmp_path / "run", data=cosmo_data, dp=2)
+    cfg.write_text(cfg.read_text().replace("steps = 2", "epochs = 2"))
+    assert check(load(cfg), 2) == 4
+    trained = hybridpar("train", cfg, "--nproc", 2)
+    assert "trained steps 0..4" in trained.stdout, trained.stdout
+    finished = hybridpar("train", cfg, "--nproc", 2, "--resume")
+    assert "finished its 4 steps already (nothing to train)" in finished.stdout, finished.stdout
 
 
 def test_checkpoint_listing_ignores_unfinished(tmp_path):

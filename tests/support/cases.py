@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import harness
-import models
 from hybridpar.spatial import collectives, parallelize, shard
+from support import harness, models
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -13,10 +13,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cases
-import harness
 from hybridpar.spatial import Grid, cross_entropy, dice_loss, mse_loss, parallelize, shard, split_bounds, unshard
 from hybridpar.spatial.collectives import all_reduce_sum
+from support import cases, harness
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

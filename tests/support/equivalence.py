@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import harness
 from hybridpar.mesh import AXES
+from support import harness
 
 # float64: the parallel run sums the same products in other orders (split matmuls, micro-batch means, all-reduces)
 TOL = dict(rtol=1e-10, atol=1e-12)

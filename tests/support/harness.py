@@ -5,6 +5,10 @@ test, so a test costs its own work, not a process-group start-up.
 ``torch.distributed`` is initialised) and returns the list of per-rank results. An exception on any
 rank fails the test with that rank's traceback; a rank that does not answer within the timeout
 (a hang) fails the test and the pool is restarted for the next one.
+
+A rank imports ``fn`` by its module's name with the parent's ``sys.path``: ``tests`` (pyproject's ``pythonpath``)
+for ``support.*``, and each test folder, which pytest's default ``prepend`` import mode puts there, for a test
+module (``tests/distributed/test_tensor.py`` is ``test_tensor``: test file names are unique across folders).
 """
 
 from __future__ import annotations

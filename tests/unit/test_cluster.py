@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hybridpar.calibrate.compute import _large_row
 from hybridpar.calibrate.fit import fit_p2p, fit_ring
@@ -309,10 +310,14 @@ def test_calibrate_measures_with_the_allocator_of_a_training_worker():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, capsys):
+def test_calibrate_writes_a_file_that_loads_and_refuses_to_overwrite(tmp_path, capsys, monkeypatch):
+    # CPU workers (what this test checks: their name, the slow conv kernel), on a GPU machine too
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     out = tmp_path / "tmp" / "cluster.toml"
     assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(out)]) == 0
-    assert "point-to-point latency" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "point-to-point latency" in printed and "measured: 2 CPU workers on" in printed
     spec = load_cluster(str(out))
     assert spec.name.startswith("calibrated-") and spec.name.endswith("-2proc")
     assert (spec.num_nodes, spec.devices_per_node) == (1, 2) and spec.inter_node == spec.intra_node

@@ -101,7 +101,7 @@ def test_load_names_the_file(tmp_path):
 def test_shipped_configs_parse():
     from pathlib import Path
 
-    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
     assert configs
     for path in configs:
         cfg.load(path)

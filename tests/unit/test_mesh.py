@@ -3,9 +3,9 @@ makes from them (4 gloo ranks)."""
 
 import pytest
 
-import cases_extra
 from hybridpar.errors import HybridparError, MeshError
 from hybridpar.mesh import AXES, ParallelDims
+from support import cases_extra
 
 
 @pytest.mark.parametrize("name", ["dp", "tp", "pp"])

@@ -1,5 +1,5 @@
 """The workload models: output shapes, the full-size CosmoFlow on the meta device, the reference parameter
-count, argument errors, and exactness under spatial parallelism (float64, against one process)."""
+count, argument errors; their exactness under spatial parallelism is in ``tests/distributed/test_models_spatial.py``."""
 
 import math
 import re
@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import cases
 from hybridpar.errors import HybridparError
 from hybridpar.models import MODELS, CosmoFlow, UNet3D, cosmoflow, gpt, unet3d
 from hybridpar.models.unet3d import NORMS
@@ -152,32 +151,3 @@ def test_unet3d_argument_errors(name, value):
         unet3d(**{name: value})
     if name == "norm":
         assert all(repr(n) in str(err.value) for n in NORMS)
-
-
-# -- exactness under spatial parallelism -------------------------------------------------------------
-
-EQUIVALENCE = [
-    ("cosmoflow", dict(size=32, base_channels=2), (2, 4, 32, 32, 32)),
-    ("cosmoflow", dict(size=32, base_channels=2, batch_norm=True), (2, 4, 32, 32, 32)),
-    ("cosmoflow", dict(size=32, base_channels=2, batch_norm=True, num_blocks=2, pooling="average"),
-     (2, 4, 32, 32, 32)),
-    # uneven slabs below the top level: 10 -> 5 (3 + 2 on two parts), 12 -> 6 -> 3 (2 + 1)
-    ("unet3d", dict(base_channels=2, depth=2, norm="instance"), (2, 1, 10, 6, 6)),
-    ("unet3d", dict(base_channels=2, depth=2, norm="batch"), (2, 1, 10, 6, 6)),
-    ("unet3d", dict(base_channels=2, depth=3, norm="instance"), (2, 1, 12, 8, 8)),
-    ("unet3d", dict(base_channels=2, depth=3, norm="batch"), (2, 1, 12, 8, 8)),
-]
-
-
-def _case_id(case):
-    name, kwargs, _ = case
-    return name + "(" + ",".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
-
-
-@pytest.mark.parametrize("grid", [(2, 1, 1), (1, 2, 1), (2, 2, 1)], ids=str)
-@pytest.mark.parametrize("case", EQUIVALENCE, ids=_case_id)
-def test_spatially_parallel_matches_one_process(dist2, dist4, case, grid):
-    """Forward, input gradient, every parameter gradient and running statistics (tolerance: cases.TOL)."""
-    name, kwargs, shape = case
-    pool = dist4 if math.prod(grid) == 4 else dist2
-    pool.run(cases.check_equivalence, spec=("hybridpar", name, kwargs), shape=shape, grid=grid)

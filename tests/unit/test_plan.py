@@ -21,10 +21,11 @@ from hybridpar.plan.cluster import ClusterSpec, Link
 from hybridpar.plan.options import check_grid, layer_options
 from hybridpar.plan.pricing import Problem, legal_starts, price
 from hybridpar.plan.rates import ConvRate, OpRate
+from hybridpar.plan.search import EXPLAINED
 from hybridpar.plan.space import Constraints, Setting, meshes, micro_batch_counts
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
 from hybridpar.plan.validate import chain_of
-from models import Attention, TinyCosmoFlow, TinyUNet
+from support.models import Attention, TinyCosmoFlow, TinyUNet
 
 REL = 1e-9  # the search and the brute force add the same float terms in other orders
 
@@ -412,6 +413,27 @@ def test_search_agrees_with_brute_force(memory_gib, top):
         return
     assert result.plans[0].prediction.step_time == pytest.approx(oracle, rel=REL)
     assert len(result.plans) <= top
+
+
+def test_each_family_is_explained_alike_whatever_top():
+    """A family's row in ``rejected`` is its best plan, exactly (its own search finds no faster one), when that is
+    within ``EXPLAINED`` times the fastest, and the same for any ``top``."""
+    graph = graph_of(TinyCosmoFlow(size=16, channels=2, width=4), (1, 2, 16, 16, 16))
+    spec = small_cluster(8, per_node=2)
+    runs = [search_plans(graph, None, spec, global_batch=8, top=top, max_micro_batches=2) for top in (1, 3, 100)]
+    assert runs[0].rejected == runs[1].rejected == runs[2].rejected
+    fastest = runs[0].plans[0].prediction.step_time
+    rows = {"best": 0, "slower": 0}
+    for name, why in runs[0].rejected.items():
+        alone = search_plans(graph, None, spec, global_batch=8, top=1, max_micro_batches=2, families=(name,))
+        best = alone.plans[0].prediction.step_time
+        if why.startswith("best "):
+            assert why.startswith(f"best {alone.plans[0].describe()}: {best * 1e3:.4g} ms"), (name, why)
+            rows["best"] += 1
+        else:
+            assert why.startswith(f"{EXPLAINED:g}x the fastest or slower") and best >= EXPLAINED * fastest, (name, why)
+            rows["slower"] += 1
+    assert rows["best"] >= 3 and rows["slower"] >= 1, rows
 
 
 # --- plans ----------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from hybridpar.parallel.plan_check import check_plan
 from hybridpar.parallel.tensor import check_strategies, pair_strategies
 from hybridpar.plan import check_grid, graph_of, rules
 from hybridpar.plan.types import Plan
-from models import TinyUNet
+from support.models import TinyUNet
 
 transformers = pytest.importorskip("transformers")
 monai = pytest.importorskip("monai")

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from argv import with_options
 from hybridpar.cli import main
 from hybridpar.cli.args import device_counts
 from hybridpar.errors import ClusterError, HybridparError
 from hybridpar.models.registry import build_for_planning, known_names
 from hybridpar.plan import graph_of
 from hybridpar.simulate import default_families, family_name, global_batches, plot, scaling
+from support.argv import with_options
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 COUNTS = (8, 16, 32, 64)
@@ -179,5 +179,5 @@ def test_build_for_planning_errors():
         build_for_planning("cosmoflow", (1, 4, 32, 32))
     with pytest.raises(HybridparError, match="has no function 'nothing'"):
         build_for_planning("hybridpar.models:nothing", (1, 4, 8, 8, 8))
-    model, _ = build_for_planning("models:TinyCosmoFlow", (1, 2, 16, 16, 16))  # tests/models.py
+    model, _ = build_for_planning("support.models:TinyCosmoFlow", (1, 2, 16, 16, 16))  # tests/support/models.py
     assert all(p.is_meta for p in model.parameters())

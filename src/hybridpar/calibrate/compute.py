@@ -62,39 +62,44 @@ OP_BENCHMARKS = (
 
 def measure_compute(settings: Settings) -> dict:
     """Throughputs of matmul, conv3d (one wide conv, the ``conv_rates`` grid and its large row, the slow
-    batch-1 kernel), an elementwise add and the memory-bound ops of ``OP_BENCHMARKS``. Each group is
-    measured with its repeats interleaved, so that a slow moment of the machine slows a group's points
-    alike, and its tensors are freed before the next group's are made (all at once, 4 workers outgrew this
-    machine's 24 GiB). Each backward pass is timed alone, on a forward kept for it."""
-    dtype = getattr(torch, settings.dtype)
+    batch-1 kernel where there is one: ``Method.slow_conv``), an elementwise add and the memory-bound ops of
+    ``OP_BENCHMARKS``, on ``settings.device``. Each group is measured with its repeats interleaved, so that a
+    slow moment of the machine slows a group's points alike, and its tensors are freed before the next group's
+    are made (all at once, 4 workers outgrew this machine's 24 GiB). Each backward pass is timed alone, on a
+    forward kept for it."""
+    dtype, device = getattr(torch, settings.dtype), torch.device(settings.device)
     torch.manual_seed(dist.get_rank())
-    matmul, conv, memory = timed_rates(_basic_steps(dtype), settings)
+    matmul, conv, memory = timed_rates(_basic_steps(dtype, device), settings)
     result = {"matmul_flops": matmul, "conv_flops": conv, "memory_bandwidth": memory}
     rates = dict(zip(settings.conv_grid, _conv_rates(settings.conv_grid, dtype, settings)))
     large_points = [(cin, cout, LARGE_FACTOR * settings.largest_positions) for cin, cout in settings.large_conv_pairs]
     large = dict(zip(settings.large_conv_pairs, _conv_rates(large_points, dtype, settings)))
     result["conv_rates"] = [(*point, *r) for point, r in rates.items()] + _large_row(settings, rates, large)
-    slow = _conv_rates(settings.slow_conv_grid, dtype, settings, batch=1)
-    result["slow_conv_rates"] = [(*point, *r) for point, r in zip(settings.slow_conv_grid, slow)]
-    ops = [_op_steps(make, (settings.quick, big), dtype) for make in OP_BENCHMARKS for big in (False, True)]
+    slow_grid = settings.slow_conv_grid if settings.method.slow_conv else ()
+    slow = _conv_rates(slow_grid, dtype, settings, batch=1)
+    result["slow_conv_rates"] = [(*point, *r) for point, r in zip(slow_grid, slow)]
+    ops = [_op_steps(make, (settings.quick, big), dtype, device) for make in OP_BENCHMARKS for big in (False, True)]
     op_rates = iter(timed_rates([step for _, steps in ops for step in steps], settings))
     result["op_rates"] = [(*op, next(op_rates), next(op_rates)) for op, _ in ops]
     return result
 
 
-def _basic_steps(dtype: torch.dtype) -> list[tuple[float, Callable]]:
+def _basic_steps(dtype: torch.dtype, device: torch.device) -> list[tuple[float, Callable]]:
     """A matmul (FLOPs), one wide conv forward and backward (FLOPs) and an add into a fresh tensor (bytes)."""
-    n = MATMUL_EDGE
-    a, b, c = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), torch.empty(n, n, dtype=dtype)
-    x, y = (torch.ones(MEMORY_BYTES // a.element_size(), dtype=dtype) for _ in range(2))
-    return [(2 * n**3, lambda: torch.mm(a, b, out=c)), _conv_step(dtype), (3 * MEMORY_BYTES, lambda: torch.add(x, y))]
+    n, on = MATMUL_EDGE, dict(dtype=dtype, device=device)
+    a, b, c = torch.randn(n, n, **on), torch.randn(n, n, **on), torch.empty(n, n, **on)
+    x, y = (torch.ones(MEMORY_BYTES // a.element_size(), **on) for _ in range(2))
+    return [(2 * n**3, lambda: torch.mm(a, b, out=c)), _conv_step(dtype, device),
+            (3 * MEMORY_BYTES, lambda: torch.add(x, y))]
 
 
 def _conv_rates(points, dtype: torch.dtype, settings: Settings, batch: int = 2) -> list[tuple[float, float, float]]:
     """FLOP/s of the forward, input gradient and weight gradient of a conv at each (in, out, positions)."""
+    if not points:
+        return []
     steps = []
     for point in points:
-        flops, fns = _conv_steps(*point, dtype, batch=batch)
+        flops, fns = _conv_steps(*point, dtype, torch.device(settings.device), batch=batch)
         steps += [(flops, fn) for fn in fns]
     rates = timed_rates(steps, settings)
     return [tuple(rates[i:i + 3]) for i in range(0, len(rates), 3)]
@@ -118,16 +123,17 @@ def _large_row(settings: Settings, rates: dict, measured: dict) -> list[tuple]:
     return rows
 
 
-def _conv_steps(in_channels: int, out_channels: int, positions: int, dtype: torch.dtype, batch: int = 2):
+def _conv_steps(in_channels: int, out_channels: int, positions: int, dtype: torch.dtype, device: torch.device,
+                batch: int = 2):
     """Forward FLOPs of a 3x3x3 conv from ``in_channels`` to ``out_channels`` over ``positions`` output
     positions in a batch of ``batch`` (two: PyTorch's fast CPU kernel; one: its slow kernel, called by name so
     that it runs at every size), and three timed functions: its forward, its input gradient, its weight
     gradient (each backward alone, on a forward kept for it)."""
-    dims = _conv_dims(positions // batch)
-    x = torch.randn(batch, in_channels, *dims, dtype=dtype)
+    dims, on = _conv_dims(positions // batch), dict(dtype=dtype, device=device)
+    x = torch.randn(batch, in_channels, *dims, **on)
     k = CONV_KERNEL
-    w = torch.randn(out_channels, in_channels, k, k, k, dtype=dtype) / (in_channels * k**3) ** 0.5
-    grad_out = torch.randn(batch, out_channels, *dims, dtype=dtype)
+    w = torch.randn(out_channels, in_channels, k, k, k, **on) / (in_channels * k**3) ** 0.5
+    grad_out = torch.randn(batch, out_channels, *dims, **on)
     flops = 2 * batch * math.prod(dims) * out_channels * in_channels * k**3
 
     def conv(x, w):
@@ -154,7 +160,7 @@ def _conv_dims(volume: int) -> tuple[int, int, int]:
     return 2**d, 2 ** ((e - d) // 2), 2 ** (e - d - (e - d) // 2)
 
 
-def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
+def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype, device: torch.device):
     """The op of the (last) layer ``make(key)`` builds and the bytes its forward reads and writes, both as
     the planner's model analysis sees them, and two timed functions, each with those bytes: its forward; its
     backward (the gradients of the input and of any weight, on a forward kept for it)."""
@@ -163,7 +169,8 @@ def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
     module, shape = make(key)
     module = module.to(dtype)
     layer = analyse(module, shape, dtype).layers[-1]
-    x = torch.randn(shape, dtype=dtype)
+    module = module.to(device)
+    x = torch.randn(shape, dtype=dtype, device=device)
     params = [p for p in module.parameters() if p.requires_grad]
     names = [name for name, p in module.named_parameters() if p.requires_grad]
 
@@ -175,13 +182,13 @@ def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype):
     return (layer.op, int(layer.bytes_moved)), [(layer.bytes_moved, step) for step in steps]
 
 
-def _conv_step(dtype: torch.dtype):
+def _conv_step(dtype: torch.dtype, device: torch.device):
     """FLOPs and a function doing one conv3d forward and backward (input and weight gradients)."""
     batch, channels, *spatial = CONV_INPUT
-    k = CONV_KERNEL
-    x = torch.randn(*CONV_INPUT, dtype=dtype, requires_grad=True)
-    w = (torch.randn(channels, channels, k, k, k, dtype=dtype) / (channels * k**3) ** 0.5).requires_grad_()
-    grad_out = torch.randn(*CONV_INPUT, dtype=dtype)  # padding 1 keeps the spatial size
+    k, on = CONV_KERNEL, dict(dtype=dtype, device=device)
+    x = torch.randn(*CONV_INPUT, **on, requires_grad=True)
+    w = (torch.randn(channels, channels, k, k, k, **on) / (channels * k**3) ** 0.5).requires_grad_()
+    grad_out = torch.randn(*CONV_INPUT, **on)  # padding 1 keeps the spatial size
     forward = 2 * batch * channels * (spatial[0] * spatial[1] * spatial[2]) * channels * k**3
 
     def step():

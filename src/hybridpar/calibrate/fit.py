@@ -7,7 +7,7 @@ import socket
 import statistics
 from dataclasses import dataclass
 
-from hybridpar.calibrate.memory import mem_total
+from hybridpar.calibrate.device import Measured, measured_line
 from hybridpar.calibrate.settings import COLLECTIVES, FAST_CONV_MIN, SMALL_BYTES, Settings
 from hybridpar.errors import HybridparError
 from hybridpar.plan.cluster import ClusterSpec, Link
@@ -25,6 +25,13 @@ class Calibration:
     collective_ranks: int
     notes: tuple[str, ...]
     comment: str  # the header of the TOML file
+    devices: Measured  # what the compute was measured on
+    comm_devices: Measured  # what the communication was measured on (2 CPU workers where one GPU had no peer)
+
+    @property
+    def measured(self) -> str:
+        """``measured: 2 CPU workers on 2 cores (cpu, gloo)``, ``measured: 4 × NVIDIA H100 80GB HBM3 (cuda, nccl)``."""
+        return measured_line(self.devices, self.comm_devices)
 
 
 def fit_p2p(sizes: tuple[int, ...], times: tuple[float, ...]) -> tuple[float, float]:
@@ -65,20 +72,23 @@ def to_calibration(result: dict, nproc: int, settings: Settings, notes: list[str
     link = Link(bandwidth, latency, collective_bandwidth=bus_bandwidth, collective_latency=step_latency,
                 sync_wait=result["sync_wait"] if nproc > 1 else 0.0, all_gather_latency=gather[0],
                 all_gather_bandwidth=gather[1], reduce_scatter_latency=scatter[0], reduce_scatter_bandwidth=scatter[1])
-    host = socket.gethostname()
+    host, compute = socket.gethostname(), result["compute_measured"]
     spec = ClusterSpec(
-        name=f"calibrated-{host}-{nproc}proc", num_nodes=1, devices_per_node=nproc,
-        device_memory=mem_total() / nproc, reserved_memory=result["reserved_memory"],
+        name=f"calibrated-{host}-{compute.spec_suffix}", num_nodes=1, devices_per_node=nproc,
+        device_memory=result["device_memory"], reserved_memory=result["reserved_memory"],
         peak_flops={settings.dtype: result["matmul_flops"]}, efficiency={"matmul": 1.0, "conv": min(conv, 1.0)},
         memory_bandwidth=result["memory_bandwidth"], intra_node=link, inter_node=link,
         conv_rates=tuple(ConvRate(settings.dtype, *row) for row in result["conv_rates"]),
         op_rates=tuple(OpRate(*row) for row in result["op_rates"]),
-        fast_conv_min=FAST_CONV_MIN,
+        fast_conv_min=FAST_CONV_MIN if result["slow_conv_rates"] else 0,  # no slow kernel measured on a GPU
         slow_conv_rates=tuple(ConvRate(settings.dtype, *row) for row in result["slow_conv_rates"]),
     )
     when = datetime.datetime.now().isoformat(timespec="seconds")
+    comm = result["comm_measured"]
     comment = (f"Measured by `hybridpar calibrate --nproc {nproc} --dtype {settings.dtype}"
                f"{' --quick' if settings.quick else ''}` on {host}, {when}:\nthis machine as {nproc} device(s), one "
-               f"worker process each, all measured at once (docs/cluster.md).\n" + "\n".join(notes))
+               f"worker process each, all measured at once (docs/cluster.md).\n{measured_line(compute, comm)}\n"
+               + "\n".join(notes))
     return Calibration(spec, result["matmul_flops"], result["conv_flops"], sizes, tuple(result["p2p_times"]),
-                       {k: tuple(v) for k, v in result["collective_times"].items()}, n, tuple(notes), comment)
+                       {k: tuple(v) for k, v in result["collective_times"].items()}, n, tuple(notes), comment,
+                       compute, comm)

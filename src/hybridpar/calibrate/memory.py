@@ -1,5 +1,5 @@
-"""Memory: what a training worker holds before its model, the machine's total, and an allocator warmed as in
-training."""
+"""Memory: what a training worker holds before its model, a device's total, and (CPU workers) an allocator warmed as
+in training. CPU workers read /proc; a CUDA worker asks its GPU (``torch.cuda.mem_get_info``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from hybridpar.calibrate.settings import GLIBC_MMAP_CEILING
+from hybridpar.calibrate.settings import GLIBC_MMAP_CEILING, Settings
 
 
 def allocate_as_in_training() -> None:
@@ -32,9 +32,11 @@ def allocate_as_in_training() -> None:
     del blocks
 
 
-def runtime_rss_bytes() -> float:
-    """The resident set of a training worker before its model: hybridpar's trainer imported (checkpointing,
-    HDF5) and a DDP wrapper built (which loads torch's compiler stack and allocates communication buffers)."""
+def runtime_bytes(settings: Settings) -> float:
+    """What a training worker holds before its model, with hybridpar's trainer imported (checkpointing, HDF5)
+    and a DDP wrapper built (which loads torch's compiler stack and allocates communication buffers): its
+    resident set (CPU workers), or the memory in use on its GPU (total - free: the CUDA context and NCCL's
+    buffers are in it, not in the counts of torch's allocator)."""
     import rich.progress  # noqa: F401  (what a training worker has loaded: the trainer, its tasks, the display)
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel
@@ -42,8 +44,19 @@ def runtime_rss_bytes() -> float:
     import hybridpar.train.tasks.volumes  # noqa: F401
     import hybridpar.train.trainer  # noqa: F401
 
-    DistributedDataParallel(nn.Linear(1, 1))
+    device = torch.device(settings.device)
+    DistributedDataParallel(nn.Linear(1, 1).to(device), device_ids=None if device.type == "cpu" else [device])
+    if settings.method.memory == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return float(total - free)
     return _rss_bytes()
+
+
+def device_bytes(settings: Settings, num_workers: int) -> float:
+    """Bytes of memory of one device: its GPU's, or this machine's (MemTotal) shared by ``num_workers``."""
+    if settings.method.memory == "cuda":
+        return float(torch.cuda.mem_get_info(torch.device(settings.device))[1])
+    return mem_total() / num_workers
 
 
 def _proc_bytes(path: str, key: str) -> int | None:

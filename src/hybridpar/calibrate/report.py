@@ -1,7 +1,8 @@
-"""The table ``hybridpar calibrate`` prints: what was measured, per worker."""
+"""The table ``hybridpar calibrate`` prints: what was measured, per worker (on what: ``Calibration.measured``)."""
 
 from __future__ import annotations
 
+from hybridpar.calibrate.device import method_for
 from hybridpar.calibrate.fit import Calibration
 from hybridpar.calibrate.settings import COLLECTIVES
 from hybridpar.plan.cluster import Link
@@ -30,6 +31,7 @@ def _collective_summary(link: Link, ranks: int) -> list[tuple[str, str, str]]:
 def summary(cal: Calibration) -> list[tuple[str, str, str]]:
     """(quantity, value, unit) rows for the command line."""
     spec, link = cal.spec, cal.spec.intra_node
+    memory = "MemTotal / N" if method_for(cal.devices.device_type).memory == "proc" else "the GPU total"
     dtype = next(iter(spec.peak_flops))
     return [
         (f"matmul {dtype} (peak_flops)", f"{cal.matmul_flops / 1e9:.1f}", "GFLOP/s"),
@@ -44,6 +46,6 @@ def summary(cal: Calibration) -> list[tuple[str, str, str]]:
         ("point-to-point bandwidth", f"{link.bandwidth / 1e9:.2f}", "GB/s"),
         ("step time lost per exchange after compute (sync_wait)", f"{link.sync_wait * 1e6:.1f}", "µs"),
         *_collective_summary(link, cal.collective_ranks),
-        ("device memory (MemTotal / N)", f"{spec.device_memory / 2**30:.2f}", "GiB"),
+        (f"device memory ({memory})", f"{spec.device_memory / 2**30:.2f}", "GiB"),
         ("reserved memory (a training worker before its model)", f"{spec.reserved_memory / 2**30:.3f}", "GiB"),
     ]

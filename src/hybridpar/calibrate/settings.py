@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from hybridpar.calibrate.device import Method, method_for
 from hybridpar.plan.cost import MEASURED_KERNEL
 
 DTYPES = ("float32", "float64")
@@ -44,6 +45,12 @@ SHARED_CORE_SECONDS = 0.03
 class Settings:
     dtype: str = "float32"
     quick: bool = False
+    device: str = "cpu"  # where a worker measures: its mesh's device (hybridpar.mesh.device_of), e.g. "cuda:0"
+
+    @property
+    def method(self) -> Method:
+        """How the device is measured (``calibrate.device``)."""
+        return method_for(self.device.split(":")[0])
 
     @property
     def repeats(self) -> int:

@@ -10,10 +10,11 @@ from hybridpar.errors import HybridparError
 
 
 def add_parser(sub) -> None:
-    cal = sub.add_parser("calibrate", help="measure this machine split into N worker processes and write a "
-                                           "cluster TOML for the planner (docs/cluster.md)")
+    cal = sub.add_parser("calibrate", help="measure this machine split into N worker processes (one per GPU on a "
+                                           "CUDA machine) and write a cluster TOML for the planner (docs/cluster.md)")
     cal.add_argument("--nproc", type=positive, default=None,
-                     help="worker processes, each one device of the spec (default: the number of CPU cores)")
+                     help="worker processes, each one device of the spec (default: the number of CUDA GPUs, else "
+                          "of CPU cores)")
     cal.add_argument("--out", default="cluster.toml", help="the TOML file to write (default cluster.toml)")
     cal.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                      help="dtype of the compute measurements (default float32)")
@@ -22,19 +23,19 @@ def add_parser(sub) -> None:
 
 
 def run(args, console: Console) -> int:
-    import os
     from pathlib import Path
 
-    from hybridpar.calibrate import calibrate, summary
+    from hybridpar.calibrate import calibrate, default_nproc, summary
     from hybridpar.plan.io import write_cluster
 
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise HybridparError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
-    nproc = args.nproc or os.cpu_count() or 1
+    nproc = args.nproc or default_nproc()
     console.print(f"[bold]hybridpar calibrate[/]: this machine as {nproc} device{'s' if nproc > 1 else ''}, one worker "
                   f"process each, all measured at once; {args.dtype}{', quick' if args.quick else ''}", soft_wrap=True)
     result = calibrate(nproc, args.dtype, args.quick)
+    console.print(result.measured, highlight=False)
     table = Table("measured (per worker)", "value", "unit")
     for row in summary(result):
         table.add_row(*row)

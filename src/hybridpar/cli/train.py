@@ -43,16 +43,19 @@ def run(args, console: Console) -> int:
     else:
         nproc = local_world_size(config, args.nproc, args.config)
         resume_from = prepare_run_dir(config, args.resume)
-        done = finished_at(config, resume_from)
-        if done is not None:
-            console.print(f"run_dir = {config.run_dir!r} finished its {done} steps already (nothing to train); raise "
-                          "train.steps to train on", highlight=False, soft_wrap=True)
-            return 0
-        check(config, nproc)  # the model, the data and the plan for nproc workers, before any starts
-        _check_cores(nproc, args.oversubscribe)
-        result = launch_local(worker, (config, args.resume, args.stop_after), nproc)[0]
+        total = check(config, nproc)  # the model, the data and the plan for nproc workers, before any starts
+        done = finished_at(total, resume_from)
+        if done is None:
+            _check_cores(nproc, args.oversubscribe)
+            result = launch_local(worker, (config, args.resume, args.stop_after), nproc)[0]
+        else:
+            result = {"finished": True, "steps": done}
     if "error" in result:
         raise HybridparError(result["error"])
+    if result.get("finished"):
+        console.print(f"run_dir = {config.run_dir!r} finished its {result['steps']} steps already (nothing to "
+                      "train); raise train.steps or train.epochs to train on", highlight=False, soft_wrap=True)
+        return 0
     done = result["steps"]
     if done < result["total_steps"]:
         console.print(f"stopped after step {done} of {result['total_steps']}; continue with --resume")

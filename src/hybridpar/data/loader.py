@@ -16,6 +16,16 @@ from hybridpar.errors import ConfigError
 from hybridpar.geometry import Grid
 
 
+def steps_per_epoch(num_samples: int, batch_size: int, dp: int) -> int:
+    """Whole batches in one pass over ``num_samples``: each of the ``dp`` replicas takes ``num_samples // dp``
+    samples (``DistributedSampler`` with ``drop_last``) in batches of ``batch_size // dp``."""
+    steps = (num_samples // dp) // (batch_size // dp)
+    if steps == 0:
+        raise ConfigError(f"train.batch_size = {batch_size}: the training set has only {num_samples} samples; "
+                          f"use a batch of at most {num_samples} or more samples")
+    return steps
+
+
 class SlabLoader:
     """Training batches by step number: step ``s`` is batch ``s mod steps_per_epoch`` of epoch
     ``s // steps_per_epoch``, so a resumed run reads exactly what the uninterrupted run would have."""
@@ -27,10 +37,7 @@ class SlabLoader:
         self.local_batch = batch_size // num_dp
         self.sampler = DistributedSampler(dataset, num_replicas=num_dp, rank=dp_rank, shuffle=shuffle, seed=seed,
                                           drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // self.local_batch
-        if self.steps_per_epoch == 0:
-            raise ConfigError(f"train.batch_size = {batch_size}: the training set has only {len(dataset)} samples; "
-                              f"use a batch of at most {len(dataset)} or more samples")
+        self.steps_per_epoch = steps_per_epoch(len(dataset), batch_size, num_dp)
         self._epoch, self._order = None, []
 
     def _indices(self, step: int) -> list[int]:

@@ -76,6 +76,7 @@ def best_chain(graph: ModelGraph, ctx: MeshContext, cache: Caches | None = None,
     share a parameter split it alike (``rules.check_shared``): each way to split the shared ones is solved,
     and the best kept. ``allowed`` (``{layer index: strategies}``) restricts the choice."""
     cache = Caches() if cache is None else cache
+    ctx = _chain_context(graph, ctx, cache)
     choices = _tied_choices(graph, ctx) if allowed is None and ctx.tp > 1 else [None]
     if choices != [None] and choices != [{}]:
         chains = [best_chain(graph, ctx, cache, choice) for choice in choices]
@@ -106,6 +107,15 @@ def best_chain(graph: ModelGraph, ctx: MeshContext, cache: Caches | None = None,
     chain = Chain(tuple(o for o, _, _ in picks), tuple(m for _, m, _ in picks), tuple(lay for _, _, lay in picks))
     cache.chains[ctx, limits] = chain
     return chain
+
+
+def _chain_context(graph, ctx: MeshContext, cache: Caches) -> MeshContext:
+    """``ctx`` without what no layer of the graph reads (``_narrowed``): meshes that differ only in dp (and pp)
+    share their chains for a micro-batch size."""
+    if (ctx, "chain") not in cache.contexts:
+        kinds = {layer.kind for layer in graph.layers}
+        cache.contexts[ctx, "chain"] = _narrowed(ctx, "conv" in kinds, "batch_norm" in kinds)
+    return cache.contexts[ctx, "chain"]
 
 
 def _segments(graph, regions: list, allowed) -> tuple[list, dict]:
@@ -229,14 +239,19 @@ def _tied_choices(graph, ctx: MeshContext) -> list[dict[int, tuple[str, ...]]]:
 _ANY = cost.Group(0, None)  # the norm group in the cache key of a layer that does not use it
 
 
+def _narrowed(ctx: MeshContext, convs: bool, batch_norms: bool) -> MeshContext:
+    """``ctx`` without what only convolutions read (the sharding level: ``rules.tp_refusal``) where there are
+    none, and without what only batch norms read (the dp group they talk over) where there are none."""
+    return dataclasses.replace(ctx, sharded=ctx.sharded and convs, norm_group=ctx.norm_group if batch_norms else _ANY)
+
+
 def options_of(layer, graph, ctx, cache: Caches) -> tuple[Option, ...]:
     """Options of a layer, priced once per signature (the 96 blocks of a GPT share theirs), for every
     sharding level but for convolutions (only their options depend on it) and for every dp degree but
     for batch norms (only they talk over dp)."""
     uses = (layer.kind == "conv", layer.kind == "batch_norm")
     if (ctx, uses) not in cache.contexts:
-        cache.contexts[ctx, uses] = dataclasses.replace(ctx, sharded=ctx.sharded and uses[0],
-                                                        norm_group=ctx.norm_group if uses[1] else _ANY)
+        cache.contexts[ctx, uses] = _narrowed(ctx, *uses)
     ctx = cache.contexts[ctx, uses]
     key = (layer.signature, ctx)
     if key not in cache.options:

@@ -21,6 +21,8 @@ from hybridpar.plan.pricing import Candidate, Problem, evaluate, layer_floor, me
 from hybridpar.plan.space import Constraints, family, meshes
 from hybridpar.plan.types import Plan
 
+EXPLAINED = 2.0  # families of strategies whose best is within this factor of the fastest are priced exactly
+
 
 @dataclass
 class SearchResult:
@@ -34,10 +36,12 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     """Ranked plans for ``cluster.num_devices`` devices, fastest first (one per mesh), and for every
     family of strategies (``dp``, ``dp x spatial``, ``dp x tp x pp``, ...) why it lost or did not fit.
 
-    Candidates are priced in the order of a lower bound of their step time, and one whose bound cannot
-    beat the ``top``-th plan found is not priced further. A mesh's bound is first that of its heaviest
-    layer alone; a mesh that may still win gets the bounds of its candidates (a stage as fast as an even
-    split of its least chain of per-layer strategies)."""
+    Candidates are priced in the order of a lower bound of their step time, and one whose bound can neither
+    beat the ``top``-th plan found nor its family's best within ``EXPLAINED`` times the fastest is not priced
+    further: each family's best (what ``rejected`` shows) is exact or "``EXPLAINED``x the fastest or slower",
+    whatever ``top`` is. A mesh's bound is first that of its heaviest layer alone;
+    a mesh that may still win gets the bounds of its candidates (a stage as fast as an even split of its least
+    chain of per-layer strategies)."""
     world = cluster.num_devices
     all_meshes = [d for d in meshes(world, graph, c, cluster.devices_per_node)
                   if c.families is None or family(d) in c.families]
@@ -55,8 +59,9 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     best_per_mesh: dict[ParallelDims, float] = {}
     while pending:
         bound, _, dims, setting = heapq.heappop(pending)
-        if len(best_per_mesh) >= c.top and bound >= sorted(best_per_mesh.values())[c.top - 1]:
-            log.skip(dims, bound)
+        beat = _threshold(c.top, best_per_mesh, log.best.get(family(dims), math.inf))
+        if bound >= beat:
+            log.skipped.add(family(dims))
             continue
         if setting is None:
             # the replica's batch in one micro-batch, every split allowed: a lower bound for any sharding.
@@ -69,17 +74,16 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
             continue
         if dims in best_per_mesh and bound >= best_per_mesh[dims]:
             continue
-        beat = sorted(best_per_mesh.values())[c.top - 1] if len(best_per_mesh) >= c.top else math.inf
-        beat = min(beat, best_per_mesh.get(dims, math.inf))
-        cand = evaluate(p, dims, setting, beat)
-        if cand.plan is None and not cand.reason:
-            log.skip(dims, cand.bound)
-            continue
+        cand = evaluate(p, dims, setting, min(beat, best_per_mesh.get(dims, math.inf)))
         if cand.plan is None:
-            log.fail(dims, cand.reason, cand.memory)
+            if cand.reason:
+                log.fail(dims, cand.reason, cand.memory)
+            else:
+                log.skipped.add(family(dims))
             continue
         found.append(cand)
         best_per_mesh[dims] = min(best_per_mesh.get(dims, math.inf), cand.step_time)
+        log.best[family(dims)] = min(log.best.get(family(dims), math.inf), cand.step_time)
     found.sort(key=lambda x: (x.step_time, x.memory, tuple(-n for n in x.dims.spatial)))
     best: dict[ParallelDims, Plan] = {}
     for cand in found:
@@ -87,6 +91,15 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     plans = list(best.values())[:c.top]
     total = sum(len(settings_of(c, dims, graph)) for dims in runnable)
     return SearchResult(plans, log.explain(found), total, log.closest[1])
+
+
+def _threshold(top: int, best_per_mesh: dict[ParallelDims, float], family_best: float) -> float:
+    """What a candidate's lower bound must stay under to be priced: the ``top``-th mesh's time, or its family's
+    best while that is within ``EXPLAINED`` times the fastest."""
+    times = sorted(best_per_mesh.values())
+    top_time = times[top - 1] if len(times) >= top else math.inf
+    fastest = times[0] if times else math.inf
+    return max(top_time, min(family_best, EXPLAINED * fastest))
 
 
 def _runnable(graph: ModelGraph, all_meshes: list[ParallelDims], log: _Log) -> list[ParallelDims]:
@@ -109,12 +122,13 @@ def _runnable(graph: ModelGraph, all_meshes: list[ParallelDims], log: _Log) -> l
 
 
 class _Log:
-    """Why each family of strategies lost: its best plan, a lower bound that could not win, or a failure."""
+    """Why each family of strategies lost: its best plan, or the failure nearest to fitting."""
 
     def __init__(self):
         self.failures: dict[str, tuple[float, str]] = {}  # family -> the failure nearest to fitting
-        self.bounds: dict[str, float] = {}
         self.closest: tuple[float, str] = (math.inf, "")
+        self.best: dict[str, float] = {}  # family -> its fastest step time priced
+        self.skipped: set[str] = set()  # families with candidates that could not come within EXPLAINED x the fastest
 
     def fail(self, dims: ParallelDims, reason: str, memory: float = math.inf) -> None:
         name = family(dims)
@@ -123,20 +137,19 @@ class _Log:
         if memory < self.closest[0]:
             self.closest = (memory, reason)
 
-    def skip(self, dims: ParallelDims, bound: float) -> None:
-        name = family(dims)
-        self.bounds[name] = min(self.bounds.get(name, math.inf), bound)
-
     def explain(self, found: list[Candidate]) -> dict[str, str]:
         out: dict[str, str] = {}
         fastest = found[0].step_time if found else math.inf
         for cand in found:
             name = family(cand.dims)
-            if name not in out:
+            if name in out:
+                continue
+            if cand.step_time < EXPLAINED * fastest:
                 ratio = f" ({cand.step_time / fastest:.2f}x the fastest)" if cand is not found[0] else ""
                 out[name] = f"best {cand.plan.describe()}: {cand.step_time * 1e3:.4g} ms per step{ratio}"
-        for name, bound in self.bounds.items():
-            out.setdefault(name, f"at least {bound * 1e3:.4g} ms per step ({bound / fastest:.2f}x the fastest)")
+        slow = f"{EXPLAINED:g}x the fastest or slower ({EXPLAINED * fastest * 1e3:.4g} ms per step or more)"
+        for name in [family(cand.dims) for cand in found] + sorted(self.skipped):
+            out.setdefault(name, slow)
         for name, (_, reason) in self.failures.items():
             out.setdefault(name, reason)
         return out

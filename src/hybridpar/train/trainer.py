@@ -61,22 +61,21 @@ class Run:
         return self.task.total_steps
 
 
-def check(config: Config, world_size: int) -> Plan:
+def check(config: Config, world_size: int) -> int:
     """The checks that need no process group: the task's data and model (built on the meta device) and the plan
     (searched, read or from ``[mesh]``, for ``world_size`` processes, checked against the model as
     ``hybridpar.parallelize`` will apply it). ``hybridpar train`` runs them before starting workers, and every
-    worker runs them again before any communication."""
+    worker runs them again before any communication. Returns the run's step count."""
     task = task_for(config)
     try:
-        return task.check(world_size)
+        task.check(world_size)
+        return task.total_steps
     finally:
         task.close()
 
 
-def setup(config: Config) -> Run:
-    """Check everything, then build the mesh, the parallel model, its optimizer and the task's data."""
-    task = task_for(config)
-    plan = task.check(dist.get_world_size())
+def setup(config: Config, task: Task, plan: Plan) -> Run:
+    """The mesh, the parallel model, its optimizer and the task's data, for a checked task and its plan."""
     parallel = task.setup(plan, agreed_mesh(config, plan))
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer))
 
@@ -93,12 +92,12 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     return mean_over_dp(run.parallel.mesh, loss), lr
 
 
-def finished_at(config: Config, resume_from: Path | None) -> int | None:
-    """The step count of a run that has nothing left to train: resumed from a checkpoint at ``train.steps``."""
-    if resume_from is None or not config.train.steps:
+def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
+    """The step count of a run that has nothing left to train: resumed from a checkpoint at ``total_steps``."""
+    if resume_from is None:
         return None
     step = checkpoint_dir.checkpoints(resume_from.parent)[-1][0]
-    return step if step >= config.train.steps else None
+    return step if step >= total_steps else None
 
 
 def _batches(run: Run, start: int, stop: int):
@@ -132,8 +131,14 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     and ``validated(step, metrics)`` (the command's progress bar and lines; none by default)."""
     check_tensorboard(config)  # on every rank, before any collective
     resume_from = prepare_run_dir(config, resume)
+    task = task_for(config)
+    plan = task.check(dist.get_world_size())
+    done = finished_at(task.total_steps, resume_from)
+    if done is not None:  # the same answer on every rank, from the same files: nothing to build
+        task.close()
+        return {"start_step": done, "steps": done, "total_steps": task.total_steps, "finished": True}
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
-    run = setup(config)
+    run = setup(config, task, plan)
     start = checkpoint_dir.load(resume_from, run.parallel, run.optimizer) if resume_from else 0
     stop = min(run.total_steps, stop_after or run.total_steps)
     is_root = dist.get_rank() == 0

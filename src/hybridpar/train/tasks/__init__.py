@@ -21,13 +21,14 @@ class Task(Protocol):
 
     def check(self, world_size: int) -> Plan:
         """The checks that need no process group (data files, the loss, the model on the meta device) and the
-        plan for ``world_size`` processes, checked against the model as ``hybridpar.parallelize`` applies it."""
+        plan for ``world_size`` processes, checked against the model as ``hybridpar.parallelize`` applies it.
+        Sets ``total_steps``."""
+
+    total_steps: int  # of the whole run
 
     def setup(self, plan: Plan, mesh) -> object:
         """The parallel model (``hybridpar.ParallelModel``) of the model built from the seed; the data on
-        ``mesh``. Sets ``total_steps``."""
-
-    total_steps: int
+        ``mesh``."""
 
     def warnings(self) -> list[str]:
         """What rank 0 reports before training (files left out)."""

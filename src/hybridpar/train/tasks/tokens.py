@@ -34,6 +34,7 @@ class Tokens:
         with torch.device("meta"):
             model = build_model(self.config)
         example = torch.zeros(self.config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
+        self.total_steps = self.config.train.steps
         return planning.plan_for(self.config, model, example, world_size)
 
     def setup(self, plan: Plan, mesh):
@@ -42,7 +43,6 @@ class Tokens:
         self.parallel = parallelize(model, plan, mesh, loss_fn=lm_loss,
                                     example_input=torch.zeros(plan.input_shape, dtype=torch.long))
         self.stream = MarkovTokens(model.config.vocab_size, model.config.seq_len, self.config.seed)
-        self.total_steps = self.config.train.steps
         return self.parallel
 
     def warnings(self) -> list[str]:

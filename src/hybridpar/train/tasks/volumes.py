@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from hybridpar import spatial
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
+from hybridpar.data.loader import steps_per_epoch
 from hybridpar.errors import ConfigError
 from hybridpar.geometry import Grid
 from hybridpar.mesh import flat_group
@@ -119,6 +120,8 @@ class Volumes:
         example = torch.empty(config.train.batch_size, *self.train_set.sample_shape, device="meta")
         plan = planning.plan_for(config, model, example, world_size)
         Grid(plan.spatial).check_shape(self.train_set.sample_shape[1:], "mesh.spatial")
+        self.total_steps = config.train.steps or config.train.epochs * steps_per_epoch(
+            len(self.train_set), config.train.batch_size, plan.dp)
         return plan
 
     def setup(self, plan: Plan, mesh):
@@ -131,7 +134,6 @@ class Volumes:
         self.loader = SlabLoader(self.train_set, batch_size=config.train.batch_size, dp=self._dp,
                                  grid=Grid(plan.spatial), spatial_rank=mesh["spatial"].get_local_rank(),
                                  seed=config.seed, prefetch=config.data.prefetch)
-        self.total_steps = config.train.steps or config.train.epochs * self.loader.steps_per_epoch
         check_same_data([d for d in (self.train_set, self.val_set) if d is not None])
         return self.parallel
 
