@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
 
 from hybridpar.errors import PlanError
-from hybridpar.mesh import build_mesh, device_of, flat_group, flat_mesh
+from hybridpar.mesh import build_mesh, device_of, flat_mesh
 from hybridpar.parallel import pipeline
+from hybridpar.parallel.data import data_parallel
 from hybridpar.parallel.model import ParallelModel
 from hybridpar.parallel.plan_check import Checked, check_mesh, check_plan, holding_stages, replica_batch
 from hybridpar.parallel.tensor import apply_splits
@@ -152,8 +152,7 @@ def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMes
     if checked.splits or plan.pp > 1:
         return module, True
     # parameters the forward never uses leave their DDP bucket unfinished: told so, DDP reduces it anyway
-    return DistributedDataParallel(module, process_group=flat_group(mesh, ("dp", "spatial")),
-                                   find_unused_parameters=bool(checked.graph.unused)), False
+    return data_parallel(module, mesh, find_unused_parameters=bool(checked.graph.unused)), False
 
 
 def _fsdp_units(module: nn.Module, held: list[nn.Module]) -> list[nn.Module]:

@@ -1,6 +1,7 @@
 """Gradients kept in step with one process's where PyTorch's engines do not: a parameter that several pipeline
-stages hold a copy of gets the sum of the copies' gradients, and where DDP cannot wrap (tensor or pipeline
-parallelism under sharding 0) gradients are averaged over the data-parallel ranks in DDP's buckets.
+stages hold a copy of gets the sum of the copies' gradients; where DDP cannot wrap (tensor or pipeline
+parallelism under sharding 0) gradients are averaged over the data-parallel ranks in DDP's buckets; where it
+wraps, each gradient is summed on its own, in the same order in every step (``mean_of_each_gradient``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def sum_tied_gradients(modules, tied: list) -> None:
             dist.all_reduce(total, group=group)
         for p in copies:
             local_grad(p).copy_(total)
+
+
+def mean_of_each_gradient(group, bucket):  # unannotated: DDP compares a hook's annotations with its types
+    """DDP's communication hook: the mean over ``group`` of each gradient of the bucket, all-reduced on its own.
+    An all-reduce adds an element's values from the ranks in an order set by where the element sits in the
+    buffer, and DDP regroups its buckets after its first iteration: a DDP built after a resume (its first
+    iteration again) would add up the uninterrupted run's step in another order (other bits, at 3 or more ranks).
+    One gradient's place in its own all-reduce does not change."""
+    buffer = bucket.buffer().div_(dist.get_world_size(group))  # as DDP's own hook: divided, then summed
+    works = [dist.all_reduce(grad, group=group, async_op=True).get_future() for grad in bucket.gradients()]
+    return torch.futures.collect_all(works).then(lambda _: buffer)
 
 
 def all_reduce_gradients(parameters: list[torch.Tensor], group) -> None:
