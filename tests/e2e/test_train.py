@@ -158,11 +158,12 @@ def test_unet_dp2_spatial2_equals_one_process(tmp_path, seg_data):
     assert_same_run(one, par, tmp_path)
 
 
-def test_resume_equals_uninterrupted(tmp_path, cosmo_data):
-    """DDP over 4 ranks (dp=2 x spatial 2): a DDP built after a resume sums the gradients of every step in the
-    order the uninterrupted run's did (at 3 or more ranks DDP's own regrouped buckets would not), so the weights
-    are bitwise equal."""
-    values = dict(data=cosmo_data, dp=2, spatial=[1, 1, 2], steps=4, dropout=0.25)
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_resume_equals_uninterrupted(tmp_path, cosmo_data, data_parallel):
+    """4 ranks (dp=2 x spatial 2), DDP or FSDP: the weights are bitwise equal. A DDP built after a resume sums
+    the gradients of every step in the order the uninterrupted run's did (at 3 or more ranks DDP's own
+    regrouped buckets would not)."""
+    values = dict(data=cosmo_data, dp=2, spatial=[1, 1, 2], steps=4, dropout=0.25, data_parallel=data_parallel)
     full = write_config(tmp_path / "full.toml", COSMO, run=tmp_path / "full", **values)
     part = write_config(tmp_path / "part.toml", COSMO, run=tmp_path / "part", **values)
     hybridpar("train", full, "--nproc", 4)
