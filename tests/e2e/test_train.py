@@ -169,9 +169,14 @@ def test_resume_equals_uninterrupted(tmp_path, cosmo_data, data_parallel):
     hybridpar("train", full, "--nproc", 4)
     stopped = hybridpar("train", part, "--nproc", 4, "--stop-after", 2)
     assert "continue with --resume" in stopped.stdout
-    # a crash in the middle of saving step 3 leaves a .partial directory: resume must ignore it
+    # a crash in the middle of saving step 3 leaves a .partial directory, and one while logging a torn line:
+    # resume ignores the first (and removes it with its next checkpoint) and drops the second
     (tmp_path / "part" / "checkpoints" / "step_00000003.partial").mkdir()
-    hybridpar("train", part, "--nproc", 4, "--resume")
+    with (tmp_path / "part" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "split": "tr')
+    resumed = hybridpar("train", part, "--nproc", 4, "--resume")
+    assert "dropped 1 line(s) cut short" in resumed.stderr, resumed.stderr
+    assert not list((tmp_path / "part" / "checkpoints").glob("*.partial"))
     finished = hybridpar("train", part, "--nproc", 4, "--resume")  # at once: no worker starts
     assert "finished its 4 steps already (nothing to train)" in finished.stdout
     assert not (tmp_path / "part" / "plan.json").exists(), "the [mesh] section is the plan: no plan.json"

@@ -63,6 +63,8 @@ def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
         os.replace(partial, final)
         for _, old in checkpoints(directory)[:-keep]:
             shutil.rmtree(old)
+        for stale in directory.glob("step_*.partial"):  # of saves a stopped run left unfinished
+            shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     return final
 

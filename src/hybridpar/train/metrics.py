@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 from hybridpar.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -20,11 +23,17 @@ class MetricsLog:
         self.writer = _tensorboard(run_dir) if tensorboard else None
 
     def _start(self, resume_step: int | None) -> None:
-        """On resume, keep the records up to the checkpoint's step (the steps after it are run again). A
-        fresh run creates the file with its first record, so a run that fails before any step leaves none."""
+        """On resume, keep the records up to the checkpoint's step (the steps after it are run again), and drop
+        lines cut short (a run killed while writing one). A fresh run creates the file with its first record,
+        so a run that fails before any step leaves none."""
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
+            records = [_record(line) for line in lines]
+            torn = sum(record is None for record in records)
+            if torn:
+                logger.warning(f"{self.path}: dropped {torn} line(s) cut short (a run stopped while writing them); "
+                               "their steps are trained again")
+            kept = [line for line, r in zip(lines, records) if r is not None and r["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:
@@ -52,6 +61,15 @@ def _tensorboard(run_dir: Path):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _record(line: str) -> dict | None:
+    """The record of one line of ``metrics.jsonl``, or ``None`` for a line cut short."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def read(path: Path) -> list[dict]:
