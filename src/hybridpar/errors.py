@@ -31,3 +31,7 @@ class ClusterError(HybridparError):
 
 class PlanError(HybridparError):
     """A model the planner cannot analyse, a plan that does not fit its model or cluster, or no plan at all."""
+
+
+class CheckpointError(HybridparError):
+    """A checkpoint that is damaged, crafted or of another layout; names the folder and the file."""

@@ -19,6 +19,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from hybridpar.errors import CheckpointError
+from hybridpar.parallel import checkpoint_files as files
 from hybridpar.parallel.channels import _SplitConv
 from hybridpar.parallel.model import ParallelModel
 from hybridpar.parallel.state import local_tensors
@@ -26,13 +28,30 @@ from hybridpar.parallel.state import local_tensors
 
 def save(parallel: ParallelModel, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
     """Write the model and optimizer state to the directory ``path`` (collective over all ranks)."""
-    dcp.save(state_dict(parallel, optimizer), checkpoint_id=str(path))
+    write(state_dict(parallel, optimizer), Path(path))
 
 
 def load(parallel: ParallelModel, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    """Read a checkpoint written by ``save`` under any plan into this job's shards (collective)."""
+    """Read a checkpoint written by ``save`` under any plan into this job's shards (collective); a damaged or
+    crafted one is refused (``CheckpointError``, naming the file)."""
+    problem = files.verify(Path(path))
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     init_optimizer_state(optimizer)
-    dcp.load(state_dict(parallel, optimizer), checkpoint_id=str(path))
+    read(state_dict(parallel, optimizer), Path(path))
+
+
+def write(state: dict, path: Path) -> None:
+    """Write ``state`` (tensors, DTensors) with DCP to the folder ``path``, then its manifest (collective)."""
+    dcp.save(state, checkpoint_id=path)
+    files.write_manifest(path)
+
+
+def read(state: dict, path: Path) -> None:
+    """Read the checkpoint folder ``path`` into the tensors of ``state`` in place, its metadata unpickled with
+    DCP's types only (collective)."""
+    files.read_metadata(path)  # a crafted file is refused here in words (inside dcp.load it would be wrapped)
+    dcp.load(state, storage_reader=files.SafeReader(path))
 
 
 def state_dict(parallel: ParallelModel, optimizer: torch.optim.Optimizer) -> dict:

@@ -2,11 +2,15 @@
 
 A checkpoint is first written to ``step_XXXXXXXX.partial`` and renamed to ``step_XXXXXXXX`` by rank 0
 only once every rank has finished (DCP writes its ``.metadata`` last), so a crash mid-save leaves the
-previous checkpoint intact and the half-written one is never mistaken for a finished one.
+previous checkpoint intact and the half-written one is never mistaken for a finished one. Before the rename
+every file's size and SHA-256 go into the checkpoint's manifest (``parallel.checkpoint_files``); a resume
+checks them and falls back, newest first, to the last checkpoint that is intact, with a warning naming each
+broken one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -14,10 +18,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import CheckpointError, ConfigError
 from hybridpar.parallel import checkpoint as sharded
+from hybridpar.parallel import checkpoint_files as files
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -55,8 +61,7 @@ def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dcp.save(state | {"progress": {"step": torch.tensor(step)}}, checkpoint_id=partial)
-    dist.barrier()
+    sharded.write(state | {"progress": {"step": torch.tensor(step)}}, partial)
     if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -69,17 +74,32 @@ def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
     return final
 
 
-def load(path: Path, parallel, optimizer) -> int:
-    """Load a checkpoint written under any plan into a ``ParallelModel`` and its optimizer, resharded
-    (collective); returns its step."""
+def resume(directory: Path, parallel, optimizer) -> int:
+    """Load the newest intact checkpoint of ``directory`` into a ``ParallelModel`` and its optimizer, written under
+    any plan and resharded (collective); returns its step."""
+    path = newest_intact(directory)
     _check_layout(path)
     sharded.init_optimizer_state(optimizer)
     return load_state(path, sharded.state_dict(parallel, optimizer))
 
 
+def newest_intact(directory: Path) -> Path:
+    """The newest finished checkpoint of ``directory`` whose files match its manifest (collective). A damaged one
+    (a file missing, short or changed since it was written) is passed over with a warning naming it."""
+    found = checkpoints(directory)
+    for _, path in reversed(found):
+        problem = files.verify(path)
+        if problem is None:
+            return path
+        if dist.get_rank() == 0:
+            logger.warning(f"checkpoint {path} is damaged ({problem}); trying the one before it")
+    raise CheckpointError(f"no intact checkpoint in {directory} ({len(found)} damaged: the warnings name them); "
+                          "start the run again in another run_dir")
+
+
 def _check_layout(path: Path) -> None:
     """Refuse a checkpoint of the layout before plans (optimizer state under ``optim``), in words."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = files.read_metadata(path).state_dict_metadata
     if any(key.startswith("optim.") for key in keys) and not any(key.startswith("optimizer.") for key in keys):
         raise ConfigError(f"{path} was written by an earlier hybridpar, in a layout this one cannot resume; "
                           "finish that run with the version that started it, or start a new run")
@@ -88,5 +108,5 @@ def _check_layout(path: Path) -> None:
 def load_state(path: Path, state: dict) -> int:
     """Read a checkpoint into the tensors of ``state``, in place (collective); returns its step."""
     progress = {"step": torch.tensor(0)}
-    dcp.load(state | {"progress": progress}, checkpoint_id=path)
+    sharded.read(state | {"progress": progress}, path)
     return int(progress["step"])

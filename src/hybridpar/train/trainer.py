@@ -139,7 +139,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
         return {"start_step": done, "steps": done, "total_steps": task.total_steps, "finished": True}
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
     run = setup(config, task, plan)
-    start = checkpoint_dir.load(resume_from, run.parallel, run.optimizer) if resume_from else 0
+    start = checkpoint_dir.resume(resume_from.parent, run.parallel, run.optimizer) if resume_from else 0
     stop = min(run.total_steps, stop_after or run.total_steps)
     is_root = dist.get_rank() == 0
     run_dir = Path(config.run_dir)
