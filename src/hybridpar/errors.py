@@ -35,3 +35,7 @@ class PlanError(HybridparError):
 
 class CheckpointError(HybridparError):
     """A checkpoint that is damaged, crafted or of another layout; names the folder and the file."""
+
+
+class TrainingError(HybridparError):
+    """A run that cannot go on: a NaN or infinite loss or weights; names the step and the rank."""

@@ -79,8 +79,8 @@ dtype = "float64"
 """
 
 
-def hybridpar(*args, check=True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def hybridpar(*args, check=True, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "hybridpar", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=200)
     if check and proc.returncode != 0:
@@ -208,8 +208,8 @@ def test_checkpoint_listing_ignores_unfinished(tmp_path):
     assert checkpoint_dir.checkpoints(tmp_path) == [(2, tmp_path / "step_00000002")]
 
 
-def expect_error(*args, match: str) -> str:
-    proc = hybridpar(*args, check=False)
+def expect_error(*args, match: str, env: dict | None = None) -> str:
+    proc = hybridpar(*args, check=False, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert match in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 3, proc.stderr

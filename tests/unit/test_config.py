@@ -1,5 +1,7 @@
 """The training config: every bad key or value is refused with the key's name."""
 
+import re
+
 import pytest
 
 from hybridpar.errors import ConfigError
@@ -53,6 +55,14 @@ def test_defaults_and_values():
     ({"schedule": {"factor": -2}}, r"schedule.factor = -2.0: must be greater than 0"),
     ({"schedule": {"decay_steps": [200, 100]}}, r"schedule.decay_steps = \[200, 100\]: give increasing"),
     ({"schedule": {"decay_steps": [-1]}}, r"schedule.decay_steps = \[-1\]: give increasing"),
+    ({"optimizer": {"lr": float("inf")}}, "optimizer.lr = inf: must be a finite number"),
+    ({"optimizer": {"weight_decay": float("nan")}}, "optimizer.weight_decay = nan: must be a finite number"),
+    ({"model": {"dropout": float("nan")}}, "model.dropout = nan: must be a finite number"),
+    ({"train": {"steps": 10**23}}, "train.steps = 100000000000000000000000: far too large"),
+    ({"mesh": {"dp": 2**20, "spatial": [2, 1, 1]}, "train": {"batch_size": 2**20}}, "more than 1,048,576 ranks"),
+    ({"run_dir": ""}, "run_dir = '': give the folder"),
+    ({"optimizer": {"lr": 1e300}}, r"optimizer.lr = 1e\+300 does not fit train.dtype = 'float32' \(at most 3.4e\+38\)"),
+    ({"train": {"non_finite": "ignore"}}, "train.non_finite = 'ignore': use one of 'stop', 'skip'"),
 ])
 def test_bad_keys_and_values(sections, message):
     with pytest.raises(ConfigError, match=message):
@@ -104,4 +114,16 @@ def test_shipped_configs_parse():
     configs = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
     assert configs
     for path in configs:
+        cfg.load(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'run_dir = "caf\xe9"\n', "not UTF-8 text (byte 14)"),
+    (b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "arrays or tables nested too deeply"),
+    (b"x = 1\nx = 2\n", "not valid TOML"),  # a duplicate key
+])
+def test_unreadable_configs_are_named(tmp_path, content, message):
+    path = tmp_path / "c.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
         cfg.load(path)

@@ -3,6 +3,7 @@ both layouts), bytes read are the slab's share, and every kind of bad file is a 
 
 import itertools
 import math
+import os
 
 import h5py
 import numpy as np
@@ -130,6 +131,19 @@ def _bad_files(tmp_path):
     truncated = tmp_path / "truncated.h5"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size - 1000])
     (tmp_path / "garbage.h5").write_bytes(b"not hdf5 at all" * 100)
+    with h5py.File(tmp_path / "vector.h5", "w") as f:  # a 2-D target would broadcast against the output
+        f["full"], f["unitPar"] = volume((8, 8, 8, 4)), np.zeros((4, 1), np.float32)
+    with h5py.File(tmp_path / "link.h5", "w") as f:
+        f["full"], f["unitPar"] = h5py.ExternalLink("elsewhere.h5", "/full"), np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "virtual.h5", "w") as f:  # its source is missing: HDF5 itself would crash
+        layout = h5py.VirtualLayout((8, 8, 8, 4), np.int16)
+        layout[...] = h5py.VirtualSource(str(tmp_path / "gone.h5"), "full", (8, 8, 8, 4))
+        f.create_virtual_dataset("full", layout)
+        f["unitPar"] = np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "external.h5", "w") as f:
+        f.create_dataset("full", (8, 8, 8, 4), np.int16, external=[(str(tmp_path / "raw.bin"), 0, h5py.h5f.UNLIMITED)])
+        f["unitPar"] = np.zeros(4, np.float32)
+    os.mkfifo(tmp_path / "fifo.h5")  # opening it would wait for a writer forever
     return {
         "missing": (tmp_path / "missing.h5", "file not found"),
         "name": (tmp_path / "name.h5", "no dataset 'full'"),
@@ -138,10 +152,16 @@ def _bad_files(tmp_path):
         "channels": (tmp_path / "other.h5", "most files have 4 channels"),
         "truncated": (truncated, "truncated"),
         "garbage": (tmp_path / "garbage.h5", "not a readable HDF5 file"),
+        "2-D target": (tmp_path / "vector.h5", r"target 'unitPar' is float32 of shape \(4, 1\); expected a vector"),
+        "external link": (tmp_path / "link.h5", "dataset 'full' is an external link to 'elsewhere.h5'; copy"),
+        "virtual": (tmp_path / "virtual.h5", "dataset 'full' is virtual: its data lie in other files; copy"),
+        "external storage": (tmp_path / "external.h5", "dataset 'full' is stored in external files"),
+        "fifo": (tmp_path / "fifo.h5", "not a regular file"),
     }, good
 
 
-@pytest.mark.parametrize("kind", ["missing", "name", "shape", "dtype", "channels", "truncated", "garbage"])
+@pytest.mark.parametrize("kind", ["missing", "name", "shape", "dtype", "channels", "truncated", "garbage",
+                                  "2-D target", "external link", "virtual", "external storage", "fifo"])
 def test_bad_files_name_the_file_and_sample(tmp_path, kind):
     bad, good = _bad_files(tmp_path)
     path, message = bad[kind]
@@ -181,6 +201,28 @@ def test_labels_outside_the_classes_name_the_file_and_sample(tmp_path):
     ds = SlabDataset([tmp_path / "s.h5"], SEGMENTATION, num_classes=3)
     with pytest.raises(DataError, match=r"s.h5 \(sample 0\): labels 3..3 .* num_classes = 3"):
         ds.read(0, Grid((2, 1, 1)), 1)
+
+
+@pytest.mark.parametrize("where", ["input", "target", "log1p"])
+def test_non_finite_values_name_the_file_and_sample(tmp_path, where):
+    vol, params = volume((8, 8, 8, 2)).astype(np.float32), np.zeros(4, np.float32)
+    if where == "input":
+        vol[5, 0, 0, 1] = np.nan
+    elif where == "target":
+        params[2] = np.inf
+    else:
+        vol[1, 2, 3, 0] = -2  # log1p(-2) is NaN
+    path = write_cosmo(tmp_path / "n.h5", vol, params)
+    ds = SlabDataset([path], COSMOFLOW if where == "log1p" else RAW)
+    grid = Grid((2, 1, 1))
+    message = {"input": r"\(sample 0\): dataset 'full', slab .*: 1 NaN or infinite value\(s\); fix the file",
+               "target": r"\(sample 0\): target 'unitPar': 1 NaN or infinite value",
+               "log1p": r"1 NaN or infinite value\(s\) \(after log1p: values below -1 have none\)"}[where]
+    rank = 1 if where == "input" else 0  # the NaN of the input lies in rank 1's slab only
+    if where == "input":
+        ds.read(0, grid, 0)
+    with pytest.raises(DataError, match=message):
+        ds.read(0, grid, rank)
 
 
 def test_crop_larger_than_volume(tmp_path):

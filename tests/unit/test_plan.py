@@ -551,6 +551,16 @@ def test_gpt3_175b_analyses_on_the_meta_device():
     ('{"schema_version": 1, "spatial": [2, 0]}', r"spatial = \[2, 0\]: expected a list of whole numbers"),
     ('{"schema_version": 1, "checkpointing": 1}', r"checkpointing = 1: expected true or false"),
     ('{"schema_version": 1, "layers": {"fc": 2}}', r"layers = .*: expected an object mapping layer names"),
+    ('{"schema_version": 1, "dp": 2, "dp": 4}', r"p.json: key 'dp' appears twice in one object; keep one"),
+    ('{"schema_version": 1, "prediction": {"step_time": NaN}}', r"p.json: NaN is no JSON number"),
+    ('{"schema_version": 1, "prediction": {"step_time": 1, "compute_time": 1, "speed": 2}}',
+     r"p.json: unknown key prediction.speed; a prediction has step_time, compute_time"),
+    ('{"schema_version": 1, "prediction": {"step_time": "1", "compute_time": 1}}',
+     r'prediction.step_time = "1": expected a number'),
+    ('{"schema_version": 1, "prediction": {"step_time": 1, "compute_time": 1, "memory": {"total": []}}}',
+     r"prediction.memory = .*: expected an object of numbers"),
+    ('{"schema_version": 1, "prediction": {"compute_time": 1}}', r"prediction has no step_time"),
+    ('{"schema_version": 1, "layers": ' + "[" * 100_000 + "]" * 100_000 + "}", r"not valid JSON \(nested too"),
 ])
 def test_plan_json_types_are_checked(text, message):
     with pytest.raises(PlanError, match=message):

@@ -31,6 +31,9 @@ def run(args, console: Console) -> int:
 
     config = load(args.config)  # no torch yet: a mistake in the config is reported at once
     check_tensorboard(config)
+    from hybridpar.train.faults import planned
+
+    planned()  # HYBRIDPAR_FAULTS, when a test or demonstration asks for faults
     from hybridpar.cli.progress import format_metrics
     from hybridpar.launch import launch_local
     from hybridpar.train.planning import local_world_size

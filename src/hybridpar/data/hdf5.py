@@ -77,10 +77,13 @@ def list_files(spec: str | os.PathLike, where: str, generate: str = "synth-cosmo
     """The ``.h5`` / ``.hdf5`` files of a directory, or the files a glob pattern matches, sorted; where there are
     none, the error suggests ``hybridpar data GENERATE``."""
     path = Path(spec)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".h5", ".hdf5"))
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(spec)))
+    try:
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.suffix in (".h5", ".hdf5"))
+        else:
+            files = sorted(Path(p) for p in glob.glob(str(spec)))
+    except OSError as err:  # a folder we may not list, a name too long
+        raise DataError(f"{where} = {str(spec)!r}: cannot list it ({err.strerror})") from None
     if not files:
         raise DataError(f"{where} = {str(spec)!r}: no HDF5 files there (a directory of .h5 files or a glob); "
                         f"generate some with `hybridpar data {generate} --out DIR ...`")
@@ -88,10 +91,20 @@ def list_files(spec: str | os.PathLike, where: str, generate: str = "synth-cosmo
 
 
 def _dataset(f: h5py.File, name: str, path: Path, index: int) -> h5py.Dataset:
+    """Dataset ``name`` of ``f``, its data stored in ``f`` itself: an external link, a virtual dataset or external
+    raw storage would read other files, unchecked (a missing source of a virtual dataset crashes HDF5)."""
+    where = f"{path} (sample file {index}): dataset {name!r}"
+    fix = "copy its data into the file (h5repack, or h5py's ds[...] into a new file)"
+    if isinstance(f.get(name, getlink=True), h5py.ExternalLink):
+        raise DataError(f"{where} is an external link to {f.get(name, getlink=True).filename!r}; {fix}")
     if name not in f or not isinstance(f[name], h5py.Dataset):
         raise DataError(f"{path} (sample file {index}): no dataset {name!r}; it has {sorted(f.keys())}. "
                         f"Set the dataset name in the config's [data] table")
-    return f[name]
+    ds = f[name]
+    if ds.is_virtual or ds.external:
+        raise DataError(f"{where} is {'virtual' if ds.is_virtual else 'stored in external files'}: its data lie "
+                        f"in other files; {fix}")
+    return ds
 
 
 def _check_inside(ds: h5py.Dataset, path: Path, index: int) -> None:
@@ -121,6 +134,9 @@ def _layout(ds: h5py.Dataset, fmt: SampleFormat, path: Path, index: int) -> str:
 
 def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
     """Open ``path`` and check it against ``fmt``; raises :class:`DataError` naming the file."""
+    if path.exists() and not path.is_file():
+        raise DataError(f"{path} (sample file {index}): not a regular file (a folder, a FIFO or a device); "
+                        "remove it from the data folder or the glob")
     try:
         f = h5py.File(path, "r")
     except FileNotFoundError:
@@ -139,13 +155,21 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
                             f"expected numbers of shape (D, H, W, C) or (C, D, H, W)")
         channels, spatial = (x.shape[3], x.shape[:3]) if layout == "channels_last" else (x.shape[0], x.shape[1:])
         want_kind = "iu" if fmt.target_kind == "volume" else "iuf"
-        if y.dtype.kind not in want_kind or (fmt.target_kind == "volume" and y.shape != spatial):
+        want_shape = y.shape == spatial if fmt.target_kind == "volume" else y.ndim == 1
+        if y.dtype.kind not in want_kind or not want_shape:
             raise DataError(f"{path} (sample file {index}): target {fmt.target!r} is {y.dtype} of shape {y.shape}; "
                             f"expected " + (f"integer labels of shape {spatial}" if fmt.target_kind == "volume"
-                                            else "a vector of numbers"))
+                                            else "a vector of numbers (one dimension)"))
         for ds in (x, y):
             _check_inside(ds, path, index)
         return FileInfo(path, layout, channels, tuple(spatial), tuple(y.shape))
+
+
+def _check_finite(values: torch.Tensor, where: str, note: str) -> None:
+    """Refuse NaN or infinite values: they would make every weight NaN at the next step."""
+    bad = values.numel() - int(torch.isfinite(values).sum())
+    if bad:
+        raise DataError(f"{where}: {bad} NaN or infinite value(s){note}; fix the file, or remove it from the data")
 
 
 def _most_common(keys: list[tuple]) -> tuple | None:
@@ -267,8 +291,12 @@ class SlabDataset:
         x = np.moveaxis(x, 3, 0) if info.layout == "channels_last" else x
         x = torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)
         x = torch.log1p(x) if self.fmt.transform == "log1p" else x
+        _check_finite(x, f"{info.path} (sample {index}): dataset {self.fmt.input!r}, slab {box}",
+                      " (after log1p: values below -1 have none)" if self.fmt.transform == "log1p" else "")
         if self.fmt.target_kind == "vector":
-            return x, torch.as_tensor(np.asarray(y), dtype=self.dtype)
+            y = torch.as_tensor(np.asarray(y), dtype=self.dtype)
+            _check_finite(y, f"{info.path} (sample {index}): target {self.fmt.target!r}", "")
+            return x, y
         y = torch.from_numpy(np.asarray(y)).long()
         if self.num_classes is not None and y.numel() and not 0 <= y.min() <= y.max() < self.num_classes:
             raise DataError(f"{info.path} (sample {index}): labels {int(y.min())}..{int(y.max())} in slab {box}; "

@@ -122,7 +122,7 @@ class Plan:
         values["layers"] = tuple(layers.items())
         _check_types(values, where)
         if values.get("prediction") is not None:
-            values["prediction"] = Prediction(**values["prediction"])
+            values["prediction"] = _prediction(values["prediction"], where)
         try:
             return Plan(**values)
         except TypeError as err:
@@ -131,10 +131,41 @@ class Plan:
     @staticmethod
     def from_json(text: str, where: str = "plan") -> Plan:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanError(f"{where}: not valid JSON ({err})") from None
+            data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        except (json.JSONDecodeError, RecursionError) as err:
+            problem = str(err) if isinstance(err, ValueError) else "nested too deeply"
+            raise PlanError(f"{where}: not valid JSON ({problem})") from None
+        except ValueError as err:  # from the two hooks
+            raise PlanError(f"{where}: {err}") from None
         return Plan.from_dict(data, where)
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    duplicate = next((key for key in keys if keys.count(key) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"key {duplicate!r} appears twice in one object; keep one")
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON number; give a finite number")
+
+
+def _prediction(data: dict, where: str) -> Prediction:
+    """The ``prediction`` object of a plan file: known fields of the right types (finite numbers)."""
+    known = Prediction.__annotations__
+    for key, value in data.items():
+        if key not in known:
+            raise PlanError(f"{where}: unknown key prediction.{key}; a prediction has {', '.join(known)}")
+        numbers = [value] if known[key] == "float" else (value.values() if isinstance(value, dict) else [None])
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise PlanError(f"{where}: prediction.{key} = {json.dumps(value, default=str)}: expected "
+                            + ("a number" if known[key] == "float" else "an object of numbers"))
+    missing = [f for f in ("step_time", "compute_time") if f not in data]
+    if missing:
+        raise PlanError(f"{where}: prediction has no {missing[0]}; give it, or remove prediction")
+    return Prediction(**data)
 
 
 FIELD_TYPES = {"dp": "count", "tp": "count", "pp": "count", "global_batch": "count", "micro_batches": "count",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class TrainConfig:
     dtype: str = "float32"
     loss: str = ""  # "" takes the model's default: mse (cosmoflow), cross_entropy+dice (unet3d)
     log_every: int = 10
+    non_finite: str = "stop"  # a NaN or infinite loss: stop the run, or skip that step's update
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ CHOICES = {
     "data.transform": ("", "log1p", "none"), "mesh.data_parallel": ("ddp", "fsdp"),
     "mesh.batch_norm": ("global", "spatial"), "optimizer.name": ("adam", "adamw", "sgd"),
     "schedule.name": ("constant", "cosine", "step"), "train.dtype": ("float32", "float64", "bfloat16"),
+    "train.non_finite": ("stop", "skip"),
     "train.loss": ("", "mse", "cross_entropy", "dice", "cross_entropy+dice"), "model.name": MODEL_NAMES,
 }
 POSITIVE = {"mesh.dp", "train.batch_size", "checkpoint.keep", "train.log_every"}
@@ -125,6 +128,9 @@ NON_NEGATIVE = {"data.crop", "data.crops_per_file", "data.prefetch", "train.step
                 "schedule.warmup_steps", "validation.every", "validation.batch_size", "validation.max_samples",
                 "checkpoint.every", "optimizer.weight_decay", "schedule.min_lr"}
 GREATER_THAN_ZERO = {"optimizer.lr", "schedule.factor"}
+MAX_INT = 2**53  # counts beyond are mistakes (and lose exactness in JSON and float)
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38}
+MAX_RANKS = 2**20  # mesh.dp x prod(mesh.spatial)
 FRACTIONS = {"optimizer.momentum", "optimizer.betas[0]", "optimizer.betas[1]"}  # in [0, 1)
 
 
@@ -142,9 +148,13 @@ def _convert(value, tp, key: str):
         return tuple(_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value, ok = float(value), True
     if not ok:
         raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r}: must be a finite number")
+    if tp is int and abs(value) > MAX_INT:
+        raise ConfigError(f"{key} = {value}: far too large (at most {MAX_INT:,})")
     return value
 
 
@@ -209,13 +219,17 @@ def parse(table: dict) -> Config:
 def load(path: str | Path) -> Config:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8") from None
     try:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: arrays or tables nested too deeply to be a training config") from None
     try:
         return parse(table)
     except ConfigError as err:
@@ -232,6 +246,15 @@ def _check_consistency(config: Config) -> None:
     if len(config.mesh.spatial) != 3 or min(config.mesh.spatial) < 1:
         raise ConfigError(f"mesh.spatial = {list(config.mesh.spatial)}: give 3 part counts >= 1 (D, H, W), "
                           f"e.g. [2, 1, 1]")
+    if config.mesh.dp * math.prod(config.mesh.spatial) > MAX_RANKS:
+        raise ConfigError(f"mesh.dp = {config.mesh.dp} x mesh.spatial = {list(config.mesh.spatial)} asks for more "
+                          f"than {MAX_RANKS:,} ranks; give the degrees of the run you mean")
+    largest = DTYPE_MAX.get(train.dtype, math.inf)
+    if config.optimizer.lr > largest:
+        raise ConfigError(f"optimizer.lr = {config.optimizer.lr:g} does not fit train.dtype = {train.dtype!r} (at most "
+                          f"{largest:.3g}); give a learning rate that does")
+    if not config.run_dir.strip():
+        raise ConfigError("run_dir = '': give the folder the run writes to, e.g. \"runs/cosmoflow\"")
     if config.model.name == "gpt":
         _check_language_model(config)
     elif config.data.format == "tokens":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 from pathlib import Path
 
 from hybridpar.errors import ConfigError
@@ -37,9 +38,11 @@ class MetricsLog:
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:
+        """Append ``record``; a NaN or infinite number is written as ``null`` (JSON has no NaN)."""
         if self.path is not None:
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in record.items():
                 if key not in ("step", "split") and isinstance(value, (int, float)):

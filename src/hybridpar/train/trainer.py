@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import Plan
-from hybridpar.train import checkpoint_dir, planning
+from hybridpar.train import checkpoint_dir, faults, finite, planning
 from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
 from hybridpar.train.config import Config
 from hybridpar.train.metrics import MetricsLog, check_tensorboard
@@ -80,16 +80,20 @@ def setup(config: Config, task: Task, plan: Plan) -> Run:
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer))
 
 
-def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """One optimizer step; returns the global batch's loss and the learning rate."""
+def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, bool]:
+    """One optimizer step; returns the global batch's loss, the learning rate and whether the weights were
+    updated (not with a NaN or infinite loss: ``train.finite``)."""
     cfg = run.config
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + run.task.seed_offset())  # this step's dropout masks
     run.optimizer.zero_grad(set_to_none=True)
-    loss = run.parallel.train_step(x, y)
-    run.optimizer.step()
-    return mean_over_dp(run.parallel.mesh, loss), lr
+    loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
+    updated = finite.update_allowed(cfg, step + 1, loss)
+    if updated:
+        run.optimizer.step()
+        faults.after_update(step + 1, run.parallel.parameters())
+    return mean_over_dp(run.parallel.mesh, loss), lr, updated
 
 
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
@@ -130,6 +134,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     warnings (``logging``) and shows ``progress(config, start, stop)``: a context manager with ``advance(record)``
     and ``validated(step, metrics)`` (the command's progress bar and lines; none by default)."""
     check_tensorboard(config)  # on every rank, before any collective
+    faults.planned()
     resume_from = prepare_run_dir(config, resume)
     task = task_for(config)
     plan = task.check(dist.get_world_size())
@@ -159,14 +164,17 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
     with shown:
         for step, x, y in _batches(run, start, stop):
-            loss, lr = train_step(run, step, x, y)
+            loss, lr, updated = train_step(run, step, x, y)
             done = step + 1
             record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
+            if not updated:
+                record["skipped"] = True
             log.log(record)
             shown.advance(record)
             summary["loss"] = loss
             # the checkpoint first: a validation file that fails to read then loses no training
             if checkpoint_dir.due(done, config.checkpoint.every, stop, run.total_steps):
+                finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
                 summary["checkpoint"] = str(checkpoint_dir.save(run_dir / "checkpoints", done, run.parallel,
                                                             run.optimizer, keep=config.checkpoint.keep))
             if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps):

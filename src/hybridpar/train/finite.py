@@ -1,0 +1,57 @@
+"""NaN and infinity in a run: a step whose loss is not finite stops the run before its update (or, with
+``train.non_finite = "skip"``, skips the update), and weights that are not finite are never checkpointed, so
+the intact checkpoints are never rotated out by broken ones. Each check is one collective over every rank and
+names the lowest rank that found the problem, the same on every rank."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hybridpar.errors import TrainingError
+from hybridpar.train import checkpoint_dir
+
+logger = logging.getLogger(__name__)
+
+
+def first_bad_rank(tensors, device: torch.device) -> int | None:
+    """The lowest rank holding a NaN or infinite value in ``tensors`` (local shards), or ``None`` (collective)."""
+    bad = any(not torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for t in tensors)
+    rank = torch.tensor(dist.get_rank() if bad else dist.get_world_size(), device=device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MIN)
+    return None if int(rank) == dist.get_world_size() else int(rank)
+
+
+def update_allowed(config, step: int, loss: torch.Tensor) -> bool:
+    """Whether step ``step`` (1-based) may update the weights: its loss is finite on every rank. Otherwise the
+    run stops (``TrainingError``), or with ``train.non_finite = "skip"`` the step is skipped with a warning."""
+    rank = first_bad_rank([loss.detach()], loss.device)
+    if rank is None:
+        return True
+    what = f"step {step}: the loss is NaN or infinite on rank {rank}"
+    if config.train.non_finite == "skip":
+        if dist.get_rank() == 0:
+            logger.warning(f"{what}; the step's update is skipped (train.non_finite = \"skip\")")
+        return False
+    raise TrainingError(f"{what}; the run stopped before its update ({_last_checkpoint(config)}). Look for the "
+                        "cause (optimizer.lr, the data of that step), or set train.non_finite = \"skip\" to skip "
+                        "such steps")
+
+
+def check_weights(config, step: int, parameters: list, device: torch.device) -> None:
+    """Refuse to checkpoint weights that are not finite (collective): the checkpoint of ``step`` is not written
+    and the run stops, its intact checkpoints kept."""
+    rank = first_bad_rank((p.detach() for p in parameters), device)
+    if rank is not None:
+        raise TrainingError(f"step {step}: the weights became NaN or infinite on rank {rank}; the checkpoint of step "
+                            f"{step} was not written ({_last_checkpoint(config)}). Lower optimizer.lr, or look at "
+                            "the data of the steps before")
+
+
+def _last_checkpoint(config) -> str:
+    found = checkpoint_dir.checkpoints(Path(config.run_dir) / "checkpoints")
+    return f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was written"
