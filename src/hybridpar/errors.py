@@ -39,3 +39,12 @@ class CheckpointError(HybridparError):
 
 class TrainingError(HybridparError):
     """A run that cannot go on: a NaN or infinite loss or weights; names the step and the rank."""
+
+
+class RunStopped(Exception):
+    """A run that ended early for a cause outside its input (a worker that died, a signal): the command prints
+    the message (where the run stands, how to go on) and exits with ``exit_code``, without a traceback."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

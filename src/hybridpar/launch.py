@@ -1,34 +1,107 @@
-"""Starting workers: under ``torchrun`` (one or many nodes), or locally through PyTorch's elastic agent
-(``elastic_launch``), with the rendezvous bound to loopback. No process manager of our own."""
+"""Starting workers: under ``torchrun`` (one or many nodes), or locally through PyTorch's elastic agent, which
+restarts them after a failure (``max_restarts``). No process manager of our own: the local launcher is
+PyTorch's ``LocalElasticAgent`` with its c10d rendezvous, its stores listening on loopback only (PyTorch's own
+listen on every interface, and keep rendezvous state in them as pickles), and told of each failure.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import socket
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from hybridpar.mesh import accelerator_type
 
+STORE_TIMEOUT_S = 60.0
 
-def launch_local(entrypoint, args: tuple, nproc: int) -> dict[int, object]:
-    """Run ``entrypoint(*args)`` on ``nproc`` local workers; returns each local rank's return value."""
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"hybridpar-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.2,
-        local_addr="127.0.0.1",
-    )
-    return elastic_launch(config, entrypoint)(*args)
+
+class WorkersFailed(Exception):
+    """Workers that failed (a signal, a crash) with no restart left: ``failures`` by global rank."""
+
+    def __init__(self, failures: dict[int, ProcessFailure]):
+        super().__init__(f"{len(failures)} worker(s) failed")
+        self.failures = failures
+
+
+def loopback_store() -> tuple[dist.TCPStore, socket.socket]:
+    """A TCPStore server listening on 127.0.0.1 only, and the socket it listens on (keep it open)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, multi_tenant=True,
+                          master_listen_fd=listener.fileno(), timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    return store, listener
+
+
+class _LoopbackRendezvous(DynamicRendezvousHandler):
+    """The c10d rendezvous whose store for the workers (shared with the agent) listens on loopback only."""
+
+    def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+        store, self._listener = loopback_store()
+        return store
+
+
+class _Agent(LocalElasticAgent):
+    """PyTorch's local agent, calling ``on_failure(failures, restarts_left)`` when its workers fail."""
+
+    def __init__(self, *args, on_failure: Callable[[dict, int], None] | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_failure = on_failure
+
+    def _monitor_workers(self, worker_group) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and self._on_failure is not None:
+            self._on_failure(result.failures, self._remaining_restarts)
+        return result
+
+
+def _loopback_interface() -> str:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+
+
+def launch_local(entrypoint, args: tuple, nproc: int, *, max_restarts: int = 0,
+                 on_failure: Callable[[dict, int], None] | None = None,
+                 preload: tuple[str, ...] = ()) -> dict[int, object]:
+    """Run ``entrypoint(*args)`` on ``nproc`` local workers; returns each local rank's return value. After a
+    failure the agent stops the other workers and starts all of them again, up to ``max_restarts`` times
+    (each attempt sees ``TORCHELASTIC_RESTART_COUNT``); then ``WorkersFailed``.
+
+    With ``preload`` (module names), workers are forked from a server process that imported them (and the entry
+    point's module) once, so neither the first start nor a restart pays for importing torch in every worker; the
+    server keeps the environment of its start (the first launch of this process). Without, each is spawned."""
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the workers' own connections: loopback too
+        os.environ.setdefault(variable, _loopback_interface())
+    run_id = f"hybridpar-{uuid.uuid4().hex[:8]}"
+    store, listener = loopback_store()
+    handler = _LoopbackRendezvous.from_backend(run_id, store, C10dRendezvousBackend(store, run_id), min_nodes=1,
+                                               max_nodes=1, local_addr="127.0.0.1")
+    spec = WorkerSpec(role="worker", local_world_size=nproc, entrypoint=entrypoint, args=tuple(args),
+                      rdzv_handler=handler, max_restarts=max_restarts, monitor_interval=0.2, local_addr="127.0.0.1")
+    if preload:
+        multiprocessing.set_forkserver_preload([entrypoint.__module__, *preload])
+    agent = _Agent(spec=spec, logs_specs=DefaultLogsSpecs(), start_method="forkserver" if preload else "spawn",
+                   on_failure=on_failure)
+    try:
+        result = agent.run()
+    finally:
+        handler.shutdown()
+        listener.close()
+    if result.is_failed():
+        raise WorkersFailed(result.failures)
+    return result.return_values
 
 
 def init_distributed(timeout_s: float = 300.0) -> None:

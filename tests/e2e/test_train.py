@@ -79,10 +79,10 @@ dtype = "float64"
 """
 
 
-def hybridpar(*args, check=True, env: dict | None = None) -> subprocess.CompletedProcess:
+def hybridpar(*args, check=True, env: dict | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "hybridpar", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=200)
+                          env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"hybridpar {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc

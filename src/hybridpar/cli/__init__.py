@@ -10,7 +10,7 @@ from rich.console import Console
 
 from hybridpar import __version__
 from hybridpar.cli import calibrate, data, demo, plan, simulate, train
-from hybridpar.errors import HybridparError
+from hybridpar.errors import HybridparError, RunStopped
 
 COMMANDS = {"demo": demo, "train": train, "data": data, "calibrate": calibrate, "plan": plan, "simulate": simulate}
 LOG_WIDTH = 160  # columns of tables written to a file or a pipe (rich would wrap them at 80)
@@ -37,10 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command].run(args, _console())
     except HybridparError as err:
-        console = _console(stderr=True)
-        console.print("[red]error[/]: ", end="")
-        console.print(str(err), markup=False, highlight=False, soft_wrap=True)
+        _print_error(str(err))
         return 2
+    except RunStopped as stop:
+        _print_error(str(stop))
+        return stop.exit_code
+
+
+def _print_error(message: str) -> None:
+    console = _console(stderr=True)
+    console.print("[red]error[/]: ", end="")
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 def _console(stderr: bool = False) -> Console:

@@ -37,6 +37,13 @@ def positive(text: str) -> int:
     return value[0]
 
 
+def non_negative(text: str) -> int:
+    value = integers(text)
+    if len(value) != 1 or value[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 0")
+    return value[0]
+
+
 def shape(text: str) -> tuple[int, ...]:
     """``1x4x128x128x128`` -> ``(1, 4, 128, 128, 128)``."""
     dims = integers(text, "x")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from hybridpar.cli.args import positive
-from hybridpar.errors import ConfigError, HybridparError
+from hybridpar.cli.args import non_negative, positive
+from hybridpar.errors import ConfigError, HybridparError, RunStopped
 
+LOST_PEER_WAIT_S = 5.0  # a rank whose peer died waits this long for the agent to stop it
 OVERSUBSCRIBE = 4  # local workers per CPU core beyond which a run is refused unless --oversubscribe
 
 
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     train.add_argument("--stop-after", type=positive, default=None, metavar="STEPS",
                        help="stop (with a checkpoint) once this many steps are done, e.g. before a job's time limit")
+    train.add_argument("--max-restarts", type=non_negative, default=0, metavar="N",
+                       help="after a worker dies, restart all of them from the newest intact checkpoint, up to N "
+                            "times (under torchrun: torchrun's own --max-restarts)")
     train.add_argument("--oversubscribe", action="store_true",
                        help=f"start local workers even when there are more than {OVERSUBSCRIBE} per CPU core")
 
@@ -35,7 +39,6 @@ def run(args, console: Console) -> int:
 
     planned()  # HYBRIDPAR_FAULTS, when a test or demonstration asks for faults
     from hybridpar.cli.progress import format_metrics
-    from hybridpar.launch import launch_local
     from hybridpar.train.planning import local_world_size
     from hybridpar.train.trainer import check, finished_at, prepare_run_dir
 
@@ -50,7 +53,7 @@ def run(args, console: Console) -> int:
         done = finished_at(total, resume_from)
         if done is None:
             _check_cores(nproc, args.oversubscribe)
-            result = launch_local(worker, (config, args.resume, args.stop_after), nproc)[0]
+            result = _launch(config, args, nproc, console)
         else:
             result = {"finished": True, "steps": done}
     if "error" in result:
@@ -71,6 +74,35 @@ def run(args, console: Console) -> int:
     return 0
 
 
+def _launch(config, args, nproc: int, console: Console) -> dict:
+    """Rank 0's result of ``nproc`` local workers, restarted up to ``--max-restarts`` times after a failure, each
+    failure told in one line (PyTorch's own reports of it silenced)."""
+    import logging
+    from pathlib import Path
+
+    from hybridpar.launch import WorkersFailed, launch_local
+    from hybridpar.train.recovery import describe
+
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    run_dir = Path(config.run_dir)
+
+    def report(failures: dict, restarts_left: int) -> None:
+        if restarts_left > 0:
+            attempt = args.max_restarts - restarts_left + 1
+            console.print(f"{describe(failures, run_dir)}; restarting ({attempt} of {args.max_restarts})",
+                          highlight=False, soft_wrap=True)
+
+    try:
+        return launch_local(worker, (config, args.resume, args.stop_after), nproc, max_restarts=args.max_restarts,
+                            on_failure=report, preload=("hybridpar.train.trainer", "hybridpar.cli.progress"))[0]
+    except WorkersFailed as failed:
+        tried = f" after {args.max_restarts} restart(s)" if args.max_restarts else ""
+        hint = "" if args.max_restarts else " (or let --max-restarts N restart it)"
+        raise RunStopped(f"{describe(failed.failures, run_dir, tried)}; continue with --resume{hint}",
+                         exit_code=1) from None
+
+
 def _check_cores(nproc: int, oversubscribe: bool) -> None:
     """Refuse far more local workers than cores: they would crawl (and gloo's timeouts would end the run)."""
     import os
@@ -87,6 +119,7 @@ def worker(config, resume: bool, stop_after: int | None) -> dict:
     communication), not thrown, so the command can print it in one line."""
     from hybridpar.cli.progress import Progress
     from hybridpar.launch import init_distributed, shutdown_distributed
+    from hybridpar.train.recovery import lost_peer
     from hybridpar.train.trainer import train
 
     _log_to_console()
@@ -95,8 +128,27 @@ def worker(config, resume: bool, stop_after: int | None) -> dict:
         result = train(config, resume=resume, stop_after=stop_after, progress=Progress)
     except HybridparError as err:
         result = {"error": str(err)}
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise  # a bug of hybridpar: its traceback is wanted
+        _leave_quietly()
     shutdown_distributed()
     return result
+
+
+def _leave_quietly() -> None:
+    """End a rank that lost a peer: the launcher tells which rank died. It waits first, so that the agent sees
+    the dead rank fail before this one (its stop signal ends the wait), then exits at once (gloo's threads would
+    abort an orderly exit)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.stdout.flush()
+    time.sleep(LOST_PEER_WAIT_S)
+    os._exit(1)
 
 
 def _log_to_console() -> None:

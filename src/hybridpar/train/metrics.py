@@ -75,6 +75,15 @@ def _record(line: str) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
+def last_step(path: Path) -> int | None:
+    """The step of the last whole record of a ``metrics.jsonl`` file (``None``: no file, no record)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((r["step"] for line in reversed(lines) if (r := _record(line)) is not None), None)
+
+
 def read(path: Path) -> list[dict]:
     """The records of a ``metrics.jsonl`` file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import Plan
-from hybridpar.train import checkpoint_dir, faults, finite, planning
+from hybridpar.train import checkpoint_dir, faults, finite, planning, recovery
 from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
 from hybridpar.train.config import Config
 from hybridpar.train.metrics import MetricsLog, check_tensorboard
@@ -110,10 +110,13 @@ def _batches(run: Run, start: int, stop: int):
     return agreed(batches, run.parallel.device) if run.task.reads_files else batches
 
 
-def prepare_run_dir(config: Config, resume: bool) -> Path | None:
-    """The checkpoint to resume from (``None`` for a fresh run); refuses to overwrite a previous run."""
+def prepare_run_dir(config: Config, resume: bool, restarted: bool = False) -> Path | None:
+    """The checkpoint to resume from (``None`` for a fresh run); refuses to overwrite a previous run. A run
+    restarted by the elastic agent resumes from its newest checkpoint, or starts again without one."""
     run_dir = Path(config.run_dir)
     found = checkpoint_dir.checkpoints(run_dir / "checkpoints")
+    if restarted:
+        return found[-1][1] if found else None
     if resume:
         if not found:
             raise ConfigError(f"--resume: no finished checkpoint in {run_dir / 'checkpoints'}; "
@@ -135,7 +138,8 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     and ``validated(step, metrics)`` (the command's progress bar and lines; none by default)."""
     check_tensorboard(config)  # on every rank, before any collective
     faults.planned()
-    resume_from = prepare_run_dir(config, resume)
+    restarted = recovery.attempt() > 0
+    resume_from = prepare_run_dir(config, resume, restarted)
     task = task_for(config)
     plan = task.check(dist.get_world_size())
     done = finished_at(task.total_steps, resume_from)
@@ -153,11 +157,13 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
         if config.plan:  # a plan searched or read: kept beside the run ([mesh]'s is the config itself)
             (run_dir / "plan.json").write_text(run.plan.to_json() + "\n")
             logger.info(planning.describe(config, run.plan, str(run_dir / "plan.json")))
-    log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root,
-                     tensorboard=config.metrics.tensorboard and is_root, resume_step=start if resume_from else None)
+    log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=config.metrics.tensorboard and
+                     is_root, resume_step=start if resume_from or restarted else None)
     if is_root:
         for warning in run.task.warnings():
             logger.warning(warning)
+        if restarted:
+            logger.info(f"restart {recovery.attempt()} of {recovery.max_restarts()}: training from step {start}")
     summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
                "mesh": run.plan.describe()}
     begin = time.perf_counter()
