@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
@@ -26,6 +27,16 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from hybridpar.mesh import accelerator_type
 
 STORE_TIMEOUT_S = 60.0
+STOP_GRACE_S = 120  # after SIGTERM / SIGINT, what the workers get to finish a step and a checkpoint
+
+
+class Signalled(Exception):
+    """The launcher received SIGTERM or SIGINT (number ``signal``): the agent passed it on to the workers and
+    gave them ``STOP_GRACE_S`` to finish their step and write a checkpoint."""
+
+    def __init__(self, signal: int):
+        super().__init__(f"signal {signal}")
+        self.signal = signal
 
 
 class WorkersFailed(Exception):
@@ -93,9 +104,11 @@ def launch_local(entrypoint, args: tuple, nproc: int, *, max_restarts: int = 0,
     if preload:
         multiprocessing.set_forkserver_preload([entrypoint.__module__, *preload])
     agent = _Agent(spec=spec, logs_specs=DefaultLogsSpecs(), start_method="forkserver" if preload else "spawn",
-                   on_failure=on_failure)
+                   on_failure=on_failure, shutdown_timeout=STOP_GRACE_S)
     try:
         result = agent.run()
+    except SignalException as err:
+        raise Signalled(int(err.sigval)) from None
     finally:
         handler.shutdown()
         listener.close()

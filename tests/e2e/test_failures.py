@@ -1,10 +1,16 @@
 """Runs that meet failures, through the command line: workers killed at random steps and ranks are restarted
-from the newest checkpoint and end bitwise equal to the uninterrupted run; a NaN loss stops the run (or skips the
-step) before any broken checkpoint is written, and ``metrics.jsonl`` stays JSON."""
+from the newest checkpoint and end bitwise equal to the uninterrupted run; SIGTERM and Ctrl-C stop a run after
+its step with a checkpoint; a NaN loss stops the run (or skips the step) before any broken checkpoint is written,
+and ``metrics.jsonl`` stays JSON."""
 
 import json
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,7 +82,9 @@ def test_twenty_kills_of_ddp_over_dp_and_spatial_end_bitwise_equal(tmp_path, vol
     killed_run(killed, seed=2)
     a, b = metrics.read(tmp_path / "full" / "metrics.jsonl"), metrics.read(tmp_path / "killed" / "metrics.jsonl")
     assert [(r["step"], r["split"], r.get("loss"), r.get("mae")) for r in a] == \
-        [(r["step"], r["split"], r.get("loss"), r.get("mae")) for r in b]
+        [(r["step"], r["split"], r.get("loss"), r.get("mae")) for r in b if r["split"] != "restart"]
+    restarts = [r for r in b if r["split"] == "restart"]
+    assert [r["attempt"] for r in restarts][-1] == KILLS and all(r["of"] == KILLS for r in restarts)
     expected, got = final_weights(full), final_weights(killed)
     for name, w in expected.items():
         assert torch.equal(got[name], w), name
@@ -114,3 +122,40 @@ def test_weights_that_became_infinite_are_never_checkpointed(tmp_path):
                  match="step 4: the weights became NaN or infinite on rank 1; the checkpoint of step 4 was not "
                        "written (last checkpoint: step 3)")
     assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "run" / "checkpoints")] == [3]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to every process"])
+def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, how):
+    """SIGTERM (what SLURM sends before a time limit) or Ctrl-C: every worker finishes its step, the run writes a
+    checkpoint of it, says where to resume from and exits 143 or 130; --resume goes on from that step."""
+    cfg = config(tmp_path / "c.toml", tmp_path / "run", top=DP2)
+    text = cfg.read_text().replace("steps = 6", "steps = 100000").replace("log_every = 2", "log_every = 10000")
+    cfg.write_text(text.replace("every = 3", "every = 0"))
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridpar", "train", str(cfg), "--nproc", "2"], stdout=stdout,
+                                stderr=stderr, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        deadline = time.monotonic() + 120
+        while (metrics_lines(tmp_path / "run") < 3 and proc.poll() is None) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if how == "SIGTERM to the launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+    name, expected_code = ("SIGTERM", 143) if how.startswith("SIGTERM") else ("SIGINT", 130)
+    assert code == expected_code, out.read_text() + err.read_text()
+    found = re.search(rf"stopped by {name}; last checkpoint: step (\d+) \(.*\); continue with --resume",
+                      out.read_text())
+    assert found, out.read_text()
+    step = int(found.group(1))
+    assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "run" / "checkpoints")] == [step]
+    assert metrics.read(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == step >= 3
+    assert not err.read_text().strip(), err.read_text()  # no traceback, no warning
+    resumed = hybridpar("train", cfg, "--nproc", 2, "--resume", "--stop-after", step + 2)
+    assert f"trained steps {step}..{step + 2} on dp=2" in resumed.stdout, resumed.stdout
+
+
+def metrics_lines(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as stop:
         _print_error(str(stop))
         return stop.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (a run's workers stop after their step)
+        _print_error("interrupted")
+        return 130
 
 
 def _print_error(message: str) -> None:

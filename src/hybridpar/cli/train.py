@@ -38,14 +38,17 @@ def run(args, console: Console) -> int:
     from hybridpar.train.faults import planned
 
     planned()  # HYBRIDPAR_FAULTS, when a test or demonstration asks for faults
+    from pathlib import Path
+
     from hybridpar.cli.progress import format_metrics
     from hybridpar.train.planning import local_world_size
+    from hybridpar.train.recovery import stopped_message
     from hybridpar.train.trainer import check, finished_at, prepare_run_dir
 
     if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # under torchrun
         result = worker(config, args.resume, args.stop_after)
         if int(os.environ.get("RANK", "0")) != 0:
-            return 2 if "error" in result else 0
+            return 2 if "error" in result else 128 + result["signal"] if result.get("signal") else 0
     else:
         nproc = local_world_size(config, args.nproc, args.config)
         resume_from = prepare_run_dir(config, args.resume)
@@ -58,6 +61,9 @@ def run(args, console: Console) -> int:
             result = {"finished": True, "steps": done}
     if "error" in result:
         raise HybridparError(result["error"])
+    if result.get("signal"):
+        console.print(stopped_message(result["signal"], Path(config.run_dir)), highlight=False, soft_wrap=True)
+        return 128 + result["signal"]
     if result.get("finished"):
         console.print(f"run_dir = {config.run_dir!r} finished its {result['steps']} steps already (nothing to "
                       "train); raise train.steps or train.epochs to train on", highlight=False, soft_wrap=True)
@@ -80,11 +86,12 @@ def _launch(config, args, nproc: int, console: Console) -> dict:
     import logging
     from pathlib import Path
 
-    from hybridpar.launch import WorkersFailed, launch_local
+    from hybridpar.launch import Signalled, WorkersFailed, launch_local
     from hybridpar.train.recovery import describe
 
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):  # each of PyTorch's agent modules sets its own level
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     run_dir = Path(config.run_dir)
 
     def report(failures: dict, restarts_left: int) -> None:
@@ -94,8 +101,10 @@ def _launch(config, args, nproc: int, console: Console) -> dict:
                           highlight=False, soft_wrap=True)
 
     try:
-        return launch_local(worker, (config, args.resume, args.stop_after), nproc, max_restarts=args.max_restarts,
+        return launch_local(worker, (config, args.resume, args.stop_after, True), nproc, max_restarts=args.max_restarts,
                             on_failure=report, preload=("hybridpar.train.trainer", "hybridpar.cli.progress"))[0]
+    except Signalled as stop:  # the workers stopped after their step, with a checkpoint
+        return {"signal": stop.signal}
     except WorkersFailed as failed:
         tried = f" after {args.max_restarts} restart(s)" if args.max_restarts else ""
         hint = "" if args.max_restarts else " (or let --max-restarts N restart it)"
@@ -113,10 +122,12 @@ def _check_cores(nproc: int, oversubscribe: bool) -> None:
                           "ranks, run under torchrun on more nodes, or pass --oversubscribe to start them anyway")
 
 
-def worker(config, resume: bool, stop_after: int | None) -> dict:
-    """One worker started by ``torchrun`` or the elastic agent: join the group, train (rank 0 printing the
-    trainer's log and progress), leave. A user error is returned (raised identically on every rank before any
-    communication), not thrown, so the command can print it in one line."""
+def worker(config, resume: bool, stop_after: int | None, local: bool = False) -> dict:
+    """One worker started by ``torchrun`` or (``local``) by the command's elastic agent: join the group, train
+    (rank 0 printing the trainer's log and progress), leave. A user error is returned (raised identically on
+    every rank before any communication), not thrown, so the command can print it in one line. A local worker
+    stopped by a signal exits at once: the agent that passed the signal on no longer reads what workers return
+    (and they would wait for it to)."""
     from hybridpar.cli.progress import Progress
     from hybridpar.launch import init_distributed, shutdown_distributed
     from hybridpar.train.recovery import lost_peer
@@ -133,6 +144,12 @@ def worker(config, resume: bool, stop_after: int | None) -> dict:
             raise  # a bug of hybridpar: its traceback is wanted
         _leave_quietly()
     shutdown_distributed()
+    if local and result.get("signal"):
+        import os
+        import sys
+
+        sys.stdout.flush()
+        os._exit(128 + result["signal"])
     return result
 
 

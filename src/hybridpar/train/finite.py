@@ -1,7 +1,8 @@
 """NaN and infinity in a run: a step whose loss is not finite stops the run before its update (or, with
 ``train.non_finite = "skip"``, skips the update), and weights that are not finite are never checkpointed, so
 the intact checkpoints are never rotated out by broken ones. Each check is one collective over every rank and
-names the lowest rank that found the problem, the same on every rank."""
+names the lowest rank that found the problem, the same on every rank; the check of each step's loss carries
+the ranks' stop signals too, so that stopping costs no collective of its own."""
 
 from __future__ import annotations
 
@@ -18,25 +19,28 @@ from hybridpar.train import checkpoint_dir
 logger = logging.getLogger(__name__)
 
 
-def first_bad_rank(tensors, device: torch.device) -> int | None:
-    """The lowest rank holding a NaN or infinite value in ``tensors`` (local shards), or ``None`` (collective)."""
+def first_bad_rank(tensors, device: torch.device, signal: int = 0) -> tuple[int | None, int]:
+    """The lowest rank holding a NaN or infinite value in ``tensors`` (local shards), or ``None``; and the
+    largest number of a stop signal any rank received (0: none). One all-reduce over every rank."""
     bad = any(not torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for t in tensors)
-    rank = torch.tensor(dist.get_rank() if bad else dist.get_world_size(), device=device)
-    dist.all_reduce(rank, op=dist.ReduceOp.MIN)
-    return None if int(rank) == dist.get_world_size() else int(rank)
+    flags = torch.tensor([dist.get_rank() if bad else dist.get_world_size(), -signal], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    rank = int(flags[0])
+    return (None if rank == dist.get_world_size() else rank), -int(flags[1])
 
 
-def update_allowed(config, step: int, loss: torch.Tensor) -> bool:
+def update_allowed(config, step: int, loss: torch.Tensor, signal: int = 0) -> tuple[bool, int]:
     """Whether step ``step`` (1-based) may update the weights: its loss is finite on every rank. Otherwise the
-    run stops (``TrainingError``), or with ``train.non_finite = "skip"`` the step is skipped with a warning."""
-    rank = first_bad_rank([loss.detach()], loss.device)
+    run stops (``TrainingError``), or with ``train.non_finite = "skip"`` the step is skipped with a warning.
+    Also agrees on the stop signal any rank received (``recovery.Stopping``), returned second."""
+    rank, signal = first_bad_rank([loss.detach()], loss.device, signal)
     if rank is None:
-        return True
+        return True, signal
     what = f"step {step}: the loss is NaN or infinite on rank {rank}"
     if config.train.non_finite == "skip":
         if dist.get_rank() == 0:
             logger.warning(f"{what}; the step's update is skipped (train.non_finite = \"skip\")")
-        return False
+        return False, signal
     raise TrainingError(f"{what}; the run stopped before its update ({_last_checkpoint(config)}). Look for the "
                         "cause (optimizer.lr, the data of that step), or set train.non_finite = \"skip\" to skip "
                         "such steps")
@@ -45,7 +49,7 @@ def update_allowed(config, step: int, loss: torch.Tensor) -> bool:
 def check_weights(config, step: int, parameters: list, device: torch.device) -> None:
     """Refuse to checkpoint weights that are not finite (collective): the checkpoint of ``step`` is not written
     and the run stops, its intact checkpoints kept."""
-    rank = first_bad_rank((p.detach() for p in parameters), device)
+    rank, _ = first_bad_rank((p.detach() for p in parameters), device)
     if rank is not None:
         raise TrainingError(f"step {step}: the weights became NaN or infinite on rank {rank}; the checkpoint of step "
                             f"{step} was not written ({_last_checkpoint(config)}). Lower optimizer.lr, or look at "

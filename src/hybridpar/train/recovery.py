@@ -1,9 +1,12 @@
-"""Runs restarted by the elastic agent (``hybridpar train --max-restarts N``, or ``torchrun --max-restarts N``):
-which attempt this is, and a failure told in one line from what the run directory shows."""
+"""Runs that are stopped or restarted: SIGTERM and SIGINT asking a run to stop after its step (with a
+checkpoint), the elastic agent's restarts (``hybridpar train --max-restarts N``, ``torchrun --max-restarts N``),
+and a failure told in one line from what the run directory shows."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from pathlib import Path
 
 from hybridpar.train import checkpoint_dir
@@ -40,3 +43,36 @@ def describe(failures: dict, run_dir: Path, note: str = "") -> str:
     found = checkpoint_dir.checkpoints(run_dir / "checkpoints")
     last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint yet"
     return f"rank {rank} died{f' in step {step + 1}' if step is not None else ''} ({how}){note}; {last}"
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopping:
+    """While a run trains: ``signal`` is the number of the first SIGTERM or SIGINT this process received (0: none
+    yet), and the run stops at the end of its step with a checkpoint. Later signals change nothing: the elastic
+    agent forwards the signal it received, and a terminal's Ctrl-C reaches every process; the agent kills the
+    workers once its grace period is over. Installed in the main thread only (where Python runs handlers)."""
+
+    def __init__(self):
+        self.signal = 0
+        self._saved: dict = {}
+
+    def __enter__(self) -> Stopping:
+        if threading.current_thread() is threading.main_thread():
+            self._saved = {number: signal.signal(number, self._received) for number in STOP_SIGNALS}
+        return self
+
+    def _received(self, number: int, frame) -> None:
+        self.signal = self.signal or number
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._saved.items():
+            signal.signal(number, handler)
+
+
+def stopped_message(number: int, run_dir: Path) -> str:
+    """``stopped by SIGTERM; last checkpoint: step 100 (...); continue with --resume``."""
+    found = checkpoint_dir.checkpoints(run_dir / "checkpoints")
+    where = f"last checkpoint: step {found[-1][0]} ({found[-1][1]})" if found else "no checkpoint was written"
+    return f"stopped by {signal.Signals(number).name}; {where}; continue with --resume"

@@ -80,20 +80,47 @@ def setup(config: Config, task: Task, plan: Plan) -> Run:
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer))
 
 
-def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, bool]:
-    """One optimizer step; returns the global batch's loss, the learning rate and whether the weights were
-    updated (not with a NaN or infinite loss: ``train.finite``)."""
+def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
+               signal: int = 0) -> tuple[float, float, bool, int]:
+    """One optimizer step; returns the global batch's loss, the learning rate, whether the weights were
+    updated (not with a NaN or infinite loss: ``train.finite``) and the stop signal any rank received (0: none;
+    this rank's is ``signal``)."""
     cfg = run.config
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + run.task.seed_offset())  # this step's dropout masks
     run.optimizer.zero_grad(set_to_none=True)
     loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
-    updated = finite.update_allowed(cfg, step + 1, loss)
+    updated, signal = finite.update_allowed(cfg, step + 1, loss, signal)
     if updated:
         run.optimizer.step()
         faults.after_update(step + 1, run.parallel.parameters())
-    return mean_over_dp(run.parallel.mesh, loss), lr, updated
+    return mean_over_dp(run.parallel.mesh, loss), lr, updated, signal
+
+
+def _step(run: Run, step: int, x, y, signal: int, log: MetricsLog, shown, summary: dict) -> int:
+    """Step ``step`` with its record, checkpoint and validation where due; returns the agreed stop signal (a
+    checkpoint is then due, and no validation)."""
+    config, stop = run.config, summary["steps"]
+    loss, lr, updated, signal = train_step(run, step, x, y, signal)
+    done = step + 1
+    record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
+    if not updated:
+        record["skipped"] = True
+    log.log(record)
+    shown.advance(record)
+    summary["loss"] = loss
+    # the checkpoint first: a validation file that fails to read then loses no training
+    if checkpoint_dir.due(done, config.checkpoint.every, stop, run.total_steps) or signal:
+        finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
+        summary["checkpoint"] = str(checkpoint_dir.save(Path(config.run_dir) / "checkpoints", done, run.parallel,
+                                                        run.optimizer, keep=config.checkpoint.keep))
+    if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps) \
+            and not signal:
+        summary["val"] = run.task.validate()
+        log.log({"step": done, "split": "val", **summary["val"]})
+        shown.validated(done, summary["val"])
+    return signal
 
 
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
@@ -164,29 +191,18 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
             logger.warning(warning)
         if restarted:
             logger.info(f"restart {recovery.attempt()} of {recovery.max_restarts()}: training from step {start}")
+    if restarted:
+        log.log({"step": start, "split": "restart", "attempt": recovery.attempt(), "of": recovery.max_restarts()})
     summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
                "mesh": run.plan.describe()}
     begin = time.perf_counter()
     shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
-    with shown:
+    with shown, recovery.Stopping() as stopping:
         for step, x, y in _batches(run, start, stop):
-            loss, lr, updated = train_step(run, step, x, y)
-            done = step + 1
-            record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
-            if not updated:
-                record["skipped"] = True
-            log.log(record)
-            shown.advance(record)
-            summary["loss"] = loss
-            # the checkpoint first: a validation file that fails to read then loses no training
-            if checkpoint_dir.due(done, config.checkpoint.every, stop, run.total_steps):
-                finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
-                summary["checkpoint"] = str(checkpoint_dir.save(run_dir / "checkpoints", done, run.parallel,
-                                                            run.optimizer, keep=config.checkpoint.keep))
-            if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps):
-                summary["val"] = run.task.validate()
-                log.log({"step": done, "split": "val", **summary["val"]})
-                shown.validated(done, summary["val"])
+            signal = _step(run, step, x, y, stopping.signal, log, shown, summary)
+            if signal:  # SIGTERM or SIGINT on some rank: stopped after this step, with a checkpoint
+                summary.update(steps=step + 1, signal=signal)
+                break
     summary["time_s"] = time.perf_counter() - begin
     summary.update(run.task.finish())
     log.close()
