@@ -147,22 +147,31 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
                             f"says ({err}). Copy or generate the file again") from None
         raise DataError(f"{path} (sample file {index}): not a readable HDF5 file ({err})") from None
     with f:
-        x = _dataset(f, fmt.input, path, index)
-        y = _dataset(f, fmt.target, path, index)
-        layout = _layout(x, fmt, path, index)
-        if x.ndim != 4 or x.dtype.kind not in "iuf":
-            raise DataError(f"{path} (sample file {index}): dataset {fmt.input!r} is {x.dtype} of shape {x.shape}; "
-                            f"expected numbers of shape (D, H, W, C) or (C, D, H, W)")
-        channels, spatial = (x.shape[3], x.shape[:3]) if layout == "channels_last" else (x.shape[0], x.shape[1:])
-        want_kind = "iu" if fmt.target_kind == "volume" else "iuf"
-        want_shape = y.shape == spatial if fmt.target_kind == "volume" else y.ndim == 1
-        if y.dtype.kind not in want_kind or not want_shape:
-            raise DataError(f"{path} (sample file {index}): target {fmt.target!r} is {y.dtype} of shape {y.shape}; "
-                            f"expected " + (f"integer labels of shape {spatial}" if fmt.target_kind == "volume"
-                                            else "a vector of numbers (one dimension)"))
-        for ds in (x, y):
-            _check_inside(ds, path, index)
-        return FileInfo(path, layout, channels, tuple(spatial), tuple(y.shape))
+        try:
+            return _checked(f, fmt, path, index)
+        except (KeyError, RuntimeError, OSError, ValueError) as err:  # HDF5 on damaged metadata, a dangling link
+            raise DataError(f"{path} (sample file {index}): damaged HDF5 file ({err}). Copy or generate the file "
+                            "again") from None
+
+
+def _checked(f: h5py.File, fmt: SampleFormat, path: Path, index: int) -> FileInfo:
+    """The checks of ``inspect_file`` on the open file ``f``."""
+    x = _dataset(f, fmt.input, path, index)
+    y = _dataset(f, fmt.target, path, index)
+    layout = _layout(x, fmt, path, index)
+    if x.ndim != 4 or x.dtype.kind not in "iuf":
+        raise DataError(f"{path} (sample file {index}): dataset {fmt.input!r} is {x.dtype} of shape {x.shape}; "
+                        f"expected numbers of shape (D, H, W, C) or (C, D, H, W)")
+    channels, spatial = (x.shape[3], x.shape[:3]) if layout == "channels_last" else (x.shape[0], x.shape[1:])
+    want_kind = "iu" if fmt.target_kind == "volume" else "iuf"
+    want_shape = y.shape == spatial if fmt.target_kind == "volume" else y.ndim == 1
+    if y.dtype.kind not in want_kind or not want_shape:
+        raise DataError(f"{path} (sample file {index}): target {fmt.target!r} is {y.dtype} of shape {y.shape}; "
+                        f"expected " + (f"integer labels of shape {spatial}" if fmt.target_kind == "volume"
+                                        else "a vector of numbers (one dimension)"))
+    for ds in (x, y):
+        _check_inside(ds, path, index)
+    return FileInfo(path, layout, channels, tuple(spatial), tuple(y.shape))
 
 
 def _check_finite(values: torch.Tensor, where: str, note: str) -> None:
@@ -286,7 +295,7 @@ class SlabDataset:
             select = box + (slice(None),) if info.layout == "channels_last" else (slice(None),) + box
             x = f[self.fmt.input][select]
             y = f[self.fmt.target][box] if self.fmt.target_kind == "volume" else f[self.fmt.target][()]
-        except (OSError, KeyError, ValueError) as err:  # a file changed or broke since it was checked
+        except (OSError, KeyError, ValueError, RuntimeError) as err:  # a file changed or broke since it was checked
             raise DataError(f"{info.path} (sample {index}): reading slab {box} failed ({err})") from None
         x = np.moveaxis(x, 3, 0) if info.layout == "channels_last" else x
         x = torch.from_numpy(np.ascontiguousarray(x)).to(self.dtype)

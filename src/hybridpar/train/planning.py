@@ -85,10 +85,13 @@ def _search(config: Config, graph: ModelGraph, world_size: int) -> Plan:
 def read_plan_file(path: str) -> tuple[Plan, set[str]]:
     """The plan in ``path`` and the keys the file states (the others take the Plan's defaults)."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as err:
         raise ConfigError(f"plan = {path!r}: cannot read the plan file ({err.strerror}); {PLAN_FILE_HELP}") from None
+    except UnicodeDecodeError as err:
+        raise PlanError(f"{path}: not UTF-8 text (byte {err.start}); write the plan again with hybridpar plan "
+                        "--out FILE") from None
     plan = Plan.from_json(text, where=path)
     return plan, set(json.loads(text))
 
