@@ -159,3 +159,24 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, how):
 def metrics_lines(run: Path) -> int:
     path = run / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_run_resumed_on_fewer_workers_replans_and_computes_the_same(tmp_path, volumes):
+    """Steps 1-2 at dp=2 x spatial 2 on 4 workers, then the workers lost but 2: --resume --nproc 2 re-plans to
+    dp=1 x spatial 2 (the global batch kept), records why, and every later loss and the weights are the
+    uninterrupted 4-worker run's (float64; only the order of sums differs)."""
+    values = dict(data=volumes, dp=2, spatial=[1, 2, 1], steps=4)
+    full = write_config(tmp_path / "full.toml", COSMO, run=tmp_path / "full", **values)
+    part = write_config(tmp_path / "part.toml", COSMO, run=tmp_path / "part", **values)
+    hybridpar("train", full, "--nproc", 4)
+    hybridpar("train", part, "--nproc", 4, "--stop-after", 2)
+    resumed = hybridpar("train", part, "--nproc", 2, "--resume")
+    assert "re-planned at step 2: dp=1 spatial=1x2x1 (4 processes planned, 2 present)" in resumed.stderr
+    assert "trained steps 2..4 on dp=1 spatial=1x2x1" in resumed.stdout, resumed.stdout
+    a, b = metrics.read(tmp_path / "full" / "metrics.jsonl"), metrics.read(tmp_path / "part" / "metrics.jsonl")
+    assert [r for r in b if r["split"] == "replan"] == [
+        {"step": 2, "split": "replan", "plan": "dp=1 spatial=1x2x1", "reason": "4 processes planned, 2 present"}]
+    train_a, train_b = ([r["loss"] for r in m if r["split"] == "train"] for m in (a, b))
+    assert train_b == pytest.approx(train_a, rel=1e-10) and len(train_a) == 4
+    for name, w in final_weights(full).items():
+        torch.testing.assert_close(final_weights(part)[name], w, rtol=1e-10, atol=1e-12)

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     train.add_argument("config", help="the TOML config (keys: docs/config.md)")
     train.add_argument("--nproc", type=positive, default=None,
                        help="local workers to start (default: mesh.dp x prod(mesh.spatial), or the plan file's; "
-                            "required with plan = \"auto\"); ignored under torchrun")
+                            "required with plan = \"auto\"; with --resume, another number re-plans the run); "
+                            "ignored under torchrun")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
     train.add_argument("--stop-after", type=positive, default=None, metavar="STEPS",
                        help="stop (with a checkpoint) once this many steps are done, e.g. before a job's time limit")
@@ -50,9 +51,9 @@ def run(args, console: Console) -> int:
         if int(os.environ.get("RANK", "0")) != 0:
             return 2 if "error" in result else 128 + result["signal"] if result.get("signal") else 0
     else:
-        nproc = local_world_size(config, args.nproc, args.config)
+        nproc = local_world_size(config, args.nproc, args.config, args.resume)
         resume_from = prepare_run_dir(config, args.resume)
-        total = check(config, nproc)  # the model, the data and the plan for nproc workers, before any starts
+        total = check(config, nproc, rescale=args.resume)  # the model, the data, the plan: before any worker starts
         done = finished_at(total, resume_from)
         if done is None:
             _check_cores(nproc, args.oversubscribe)

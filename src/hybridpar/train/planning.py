@@ -30,19 +30,22 @@ from hybridpar.train.config import Config
 PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'
 
 
-def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -> Plan:
+def plan_for(config: Config, model: nn.Module, example_input, world_size: int, rescale: bool = False) -> Plan:
     """The run's plan for ``world_size`` processes: searched (``plan = "auto"``), read from the plan file and
     checked, or the ``[mesh]`` section's. ``model`` may live on the meta device; ``example_input`` is one
     step's global batch (a tensor: of token ids for a GPT, else on the meta device). The plan is checked
-    against the model as ``hybridpar.parallelize`` will apply it."""
+    against the model as ``hybridpar.parallelize`` will apply it. With ``rescale`` (a run resumed or restarted
+    on another number of processes), a plan file's or ``[mesh]``'s plan made for another world size is
+    re-planned for this one: ``rescaled``."""
     from hybridpar.parallel.plan_check import check_plan
 
     graph = graph_of(model, example_input, config.train.dtype)
     if config.plan:
-        plan = _search(config, graph, world_size) if config.plan == "auto" else _from_file(config, graph, world_size)
+        plan = (_search(config, graph, world_size) if config.plan == "auto"
+                else _from_file(config, graph, world_size, rescale))
         plan = replace(plan, model=config.model.name)
     else:
-        plan = mesh_plan(config, tuple(example_input.shape), world_size)
+        plan = mesh_plan(config, tuple(example_input.shape), world_size, rescale)
         try:
             check_grid(graph, plan.spatial if graph.spatial_ndim else ())
         except PlanError as err:
@@ -54,18 +57,35 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int) -
     return plan
 
 
-def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int) -> Plan:
+def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int, rescale: bool = False) -> Plan:
     """The plan of the ``[mesh]`` section: ``dp x spatial`` (a GPT: ``dp``), DDP or FSDP."""
     mesh = config.mesh
     spatial = (1,) if config.model.name == "gpt" else tuple(mesh.spatial)
-    total = mesh.dp * math.prod(spatial)
-    if total != world_size:
-        degrees = "mesh.dp" if config.model.name == "gpt" else "mesh.dp x prod(mesh.spatial)"
-        raise ConfigError(f"{degrees} = {total}, but the world size is {world_size}; change [mesh] so that it "
-                          f"makes {world_size}, or set plan = \"auto\" (with cluster) to let the planner choose")
-    return Plan(dp=mesh.dp, spatial=spatial, sharding=3 if mesh.data_parallel == "fsdp" else 0,
+    plan = Plan(dp=mesh.dp, spatial=spatial, sharding=3 if mesh.data_parallel == "fsdp" else 0,
                 global_batch=config.train.batch_size, input_shape=input_shape, dtype=config.train.dtype,
                 optimizer=config.optimizer.name, model=config.model.name)
+    if plan.world_size != world_size:
+        if rescale:
+            return rescaled(plan, world_size, "[mesh]")
+        degrees = "mesh.dp" if config.model.name == "gpt" else "mesh.dp x prod(mesh.spatial)"
+        raise ConfigError(f"{degrees} = {plan.world_size}, but the world size is {world_size}; change [mesh] so "
+                          f"that it makes {world_size}, or set plan = \"auto\" (with cluster) to let the planner "
+                          "choose")
+    return plan
+
+
+def rescaled(plan: Plan, world_size: int, where: str) -> Plan:
+    """``plan`` re-planned for ``world_size`` processes (a run resumed or restarted on fewer or more): every degree
+    kept but ``dp``, which takes the processes there are. The global batch stays, so the steps compute what they
+    computed before: only how the batch is shared changes."""
+    per_replica = plan.world_size // plan.dp
+    dp = world_size // per_replica
+    if world_size % per_replica or plan.global_batch % dp:
+        raise PlanError(f"{where}: cannot re-plan {plan.describe()} for {world_size} processes keeping its degrees "
+                        f"other than dp ({per_replica} processes per replica, batch {plan.global_batch}); run on a "
+                        f"multiple of {per_replica} that splits the batch, or plan for {world_size} (plan = \"auto\" "
+                        "with cluster, or a plan file)")
+    return replace(plan, dp=dp)
 
 
 def _cluster(config: Config, world_size: int):
@@ -96,7 +116,7 @@ def read_plan_file(path: str) -> tuple[Plan, set[str]]:
     return plan, set(json.loads(text))
 
 
-def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
+def _from_file(config: Config, graph: ModelGraph, world_size: int, rescale: bool = False) -> Plan:
     """The plan file checked against the world size, the config and the model; priced on
     ``config.cluster`` if given (else it keeps the prediction it was written with)."""
     where = config.plan
@@ -110,6 +130,8 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int) -> Plan:
         raise PlanError(f"{where} is a plan for model {plan.model!r}, but the config trains {config.model.name!r}; "
                         f"make a plan for this model (hybridpar plan --model {config.model.name} ... --out FILE, "
                         'or plan = "auto")')
+    if plan.world_size != world_size and rescale:
+        plan = rescaled(plan, world_size, where)
     if plan.world_size != world_size:
         raise PlanError(f"{where}: the plan ({plan.describe()}) needs {plan.world_size} processes, but the world "
                         f"size is {world_size}; run it on {plan.world_size} (--nproc {plan.world_size}, or torchrun "
@@ -171,10 +193,11 @@ def _for_config(plan: Plan, stated: set[str], config: Config, graph: ModelGraph,
                    optimizer=config.optimizer.name, input_shape=graph.input_shape)
 
 
-def local_world_size(config: Config, nproc: int | None, where: str) -> int:
+def local_world_size(config: Config, nproc: int | None, where: str, resume: bool = False) -> int:
     """The number of local workers for ``hybridpar train`` (not under torchrun): ``--nproc`` with
     ``plan = "auto"`` (required), the plan's world size with a plan file (or ``--nproc``: checked later
-    against the plan), else ``mesh.dp x prod(mesh.spatial)`` (``--nproc`` must agree)."""
+    against the plan), else ``mesh.dp x prod(mesh.spatial)`` (``--nproc`` must agree, unless the run resumes:
+    then it is re-planned for ``--nproc``)."""
     if config.plan == "auto":
         if nproc is None:
             raise ConfigError(f'plan = "auto" in {where} needs the number of workers: pass --nproc N (under '
@@ -183,10 +206,24 @@ def local_world_size(config: Config, nproc: int | None, where: str) -> int:
     if config.plan:
         return nproc or read_plan_file(config.plan)[0].world_size
     world = config.mesh.dp * math.prod(config.mesh.spatial)
+    if resume and nproc:
+        return nproc
     if (nproc or world) != world:
         raise ConfigError(f"--nproc {nproc} does not match mesh.dp x prod(mesh.spatial) = {world} in {where}; "
                           f"use --nproc {world} or change [mesh]")
     return world
+
+
+def planned_world_size(config: Config, run_dir) -> int | None:
+    """The number of processes the run was planned for before this invocation: ``[mesh]``'s, the plan file's,
+    or (``plan = "auto"``) that of the plan kept in ``run_dir``; ``None`` where unknown."""
+    if not config.plan:
+        return config.mesh.dp * (1 if config.model.name == "gpt" else math.prod(config.mesh.spatial))
+    path = config.plan if config.plan != "auto" else run_dir / "plan.json"
+    try:
+        return read_plan_file(str(path))[0].world_size
+    except (ConfigError, PlanError):
+        return None
 
 
 def describe(config: Config, plan: Plan, saved_as: str) -> str:

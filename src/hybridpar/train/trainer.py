@@ -61,14 +61,15 @@ class Run:
         return self.task.total_steps
 
 
-def check(config: Config, world_size: int) -> int:
+def check(config: Config, world_size: int, rescale: bool = False) -> int:
     """The checks that need no process group: the task's data and model (built on the meta device) and the plan
     (searched, read or from ``[mesh]``, for ``world_size`` processes, checked against the model as
-    ``hybridpar.parallelize`` will apply it). ``hybridpar train`` runs them before starting workers, and every
-    worker runs them again before any communication. Returns the run's step count."""
+    ``hybridpar.parallelize`` will apply it; ``rescale``: re-planned for a resumed run's ``world_size``).
+    ``hybridpar train`` runs them before starting workers, and every worker runs them again before any
+    communication. Returns the run's step count."""
     task = task_for(config)
     try:
-        task.check(world_size)
+        task.check(world_size, rescale)
         return task.total_steps
     finally:
         task.close()
@@ -96,6 +97,24 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
         run.optimizer.step()
         faults.after_update(step + 1, run.parallel.parameters())
     return mean_over_dp(run.parallel.mesh, loss), lr, updated, signal
+
+
+def _announce(run: Run, log: MetricsLog, start: int, restarted: bool, planned: int | None) -> None:
+    """Rank 0's warnings of the task; a restart and a re-plan (a run resumed on another number of processes than
+    it was planned for), logged and recorded in the metrics."""
+    is_root = dist.get_rank() == 0
+    if is_root:
+        for warning in run.task.warnings():
+            logger.warning(warning)
+    if restarted:
+        if is_root:
+            logger.info(f"restart {recovery.attempt()} of {recovery.max_restarts()}: training from step {start}")
+        log.log({"step": start, "split": "restart", "attempt": recovery.attempt(), "of": recovery.max_restarts()})
+    if planned is not None and planned != run.plan.world_size:
+        reason = f"{planned} processes planned, {run.plan.world_size} present"
+        if is_root:
+            logger.warning(f"re-planned at step {start}: {run.plan.describe()} ({reason})")
+        log.log({"step": start, "split": "replan", "plan": run.plan.describe(), "reason": reason})
 
 
 def _step(run: Run, step: int, x, y, signal: int, log: MetricsLog, shown, summary: dict) -> int:
@@ -168,7 +187,9 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     restarted = recovery.attempt() > 0
     resume_from = prepare_run_dir(config, resume, restarted)
     task = task_for(config)
-    plan = task.check(dist.get_world_size())
+    resuming = resume_from is not None or restarted
+    plan = task.check(dist.get_world_size(), rescale=resuming)
+    planned = planning.planned_world_size(config, Path(config.run_dir)) if resuming else None
     done = finished_at(task.total_steps, resume_from)
     if done is not None:  # the same answer on every rank, from the same files: nothing to build
         task.close()
@@ -186,13 +207,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
             logger.info(planning.describe(config, run.plan, str(run_dir / "plan.json")))
     log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=config.metrics.tensorboard and
                      is_root, resume_step=start if resume_from or restarted else None)
-    if is_root:
-        for warning in run.task.warnings():
-            logger.warning(warning)
-        if restarted:
-            logger.info(f"restart {recovery.attempt()} of {recovery.max_restarts()}: training from step {start}")
-    if restarted:
-        log.log({"step": start, "split": "restart", "attempt": recovery.attempt(), "of": recovery.max_restarts()})
+    _announce(run, log, start, restarted, planned)
     summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
                "mesh": run.plan.describe()}
     begin = time.perf_counter()

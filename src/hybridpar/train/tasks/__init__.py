@@ -19,10 +19,11 @@ class Task(Protocol):
     has_validation: bool
     reads_files: bool  # its batches may fail on one rank (a file that broke): the trainer agrees on each
 
-    def check(self, world_size: int) -> Plan:
+    def check(self, world_size: int, rescale: bool = False) -> Plan:
         """The checks that need no process group (data files, the loss, the model on the meta device) and the
-        plan for ``world_size`` processes, checked against the model as ``hybridpar.parallelize`` applies it.
-        Sets ``total_steps``."""
+        plan for ``world_size`` processes, checked against the model as ``hybridpar.parallelize`` applies it
+        (``rescale``: re-planned for ``world_size`` where it was made for another, ``planning.rescaled``). Sets
+        ``total_steps``."""
 
     total_steps: int  # of the whole run
 

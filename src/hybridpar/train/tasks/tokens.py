@@ -30,12 +30,12 @@ class Tokens:
     def __init__(self, config: Config):
         self.config = config
 
-    def check(self, world_size: int) -> Plan:
+    def check(self, world_size: int, rescale: bool = False) -> Plan:
         with torch.device("meta"):
             model = build_model(self.config)
         example = torch.zeros(self.config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
         self.total_steps = self.config.train.steps
-        return planning.plan_for(self.config, model, example, world_size)
+        return planning.plan_for(self.config, model, example, world_size, rescale)
 
     def setup(self, plan: Plan, mesh):
         model = build_model(self.config).to(DTYPES[self.config.train.dtype])

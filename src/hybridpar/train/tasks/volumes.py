@@ -110,7 +110,7 @@ class Volumes:
     def has_validation(self) -> bool:
         return self.val_set is not None
 
-    def check(self, world_size: int) -> Plan:
+    def check(self, world_size: int, rescale: bool = False) -> Plan:
         config, dtype = self.config, DTYPES[self.config.train.dtype]
         self.train_set, self.val_set = datasets(config, dtype)
         self.loss_name = config.train.loss or DEFAULT_LOSS[config.model.name]
@@ -118,7 +118,7 @@ class Volumes:
         with torch.device("meta"):
             model = build_model(config, self.train_set).to(dtype)
         example = torch.empty(config.train.batch_size, *self.train_set.sample_shape, device="meta")
-        plan = planning.plan_for(config, model, example, world_size)
+        plan = planning.plan_for(config, model, example, world_size, rescale)
         Grid(plan.spatial).check_shape(self.train_set.sample_shape[1:], "mesh.spatial")
         self.total_steps = config.train.steps or config.train.epochs * steps_per_epoch(
             len(self.train_set), config.train.batch_size, plan.dp)
