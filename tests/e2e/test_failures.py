@@ -8,6 +8,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -180,3 +181,53 @@ def test_a_run_resumed_on_fewer_workers_replans_and_computes_the_same(tmp_path, 
     assert train_b == pytest.approx(train_a, rel=1e-10) and len(train_a) == 4
     for name, w in final_weights(full).items():
         torch.testing.assert_close(final_weights(part)[name], w, rtol=1e-10, atol=1e-12)
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
+def test_a_node_lost_for_good_under_torchrun_replans_and_finishes(tmp_path):
+    """Two torchrun agents (nodes) of 2 workers each train a GPT at dp=4; one node dies for good (its agent and
+    workers killed). The other's workers stop, torchrun restarts them with the one node left, and the run
+    re-plans to dp=2 from the newest checkpoint and finishes: every loss is the uninterrupted run's (to 1e-10,
+    float64), so the loss curve goes on where it was."""
+    cfg = config(tmp_path / "c.toml", tmp_path / "run", top="[mesh]\ndp = 4\n")
+    text = cfg.read_text().replace("steps = 6", "steps = 300").replace("log_every = 2", "log_every = 1000")
+    cfg.write_text(text.replace("every = 3", "every = 10"))
+    reference = config(tmp_path / "r.toml", tmp_path / "reference", top="[mesh]\ndp = 4\n")
+    reference.write_text(cfg.read_text().replace(str(tmp_path / "run"), str(tmp_path / "reference")))
+    hybridpar("train", reference, "--nproc", 4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shrink",
+               "--max-restarts", "3", "--rdzv-conf",
+               "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",  # a lost node seen in 2 s
+               "-m", "hybridpar", "train", str(cfg)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [(tmp_path / f"{name}.out").open("w") for name in ("a", "b")]
+    first = subprocess.Popen(command, stdout=logs[0], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    time.sleep(1)  # the first agent hosts the rendezvous store
+    second = subprocess.Popen(command, stdout=logs[1], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while metrics_lines(tmp_path / "run") < 30 and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    workers = children(second.pid)
+    ranks = {tuple(line for line in Path(f"/proc/{w}/environ").read_bytes().split(b"\0") if line.startswith(b"RANK="))
+             for w in workers}
+    assert ranks == {(b"RANK=2",), (b"RANK=3",)}, ranks  # the second node holds ranks 2 and 3, not the stores
+    for pid in [second.pid, *workers]:
+        os.kill(pid, signal.SIGKILL)
+    second.wait()
+    assert first.wait(timeout=300) == 0, (tmp_path / "a.out").read_text()[-3000:]
+    records = metrics.read(tmp_path / "run" / "metrics.jsonl")
+    replans = [r for r in records if r["split"] == "replan"]
+    assert [(r["plan"], r["reason"]) for r in replans] == [("dp=2", "4 processes planned, 2 present")], replans
+    assert replans[0]["step"] % 10 == 0 and replans[0]["step"] >= 20  # a checkpoint: of step 30, or 20 if 30 was cut
+    expected = [r["loss"] for r in metrics.read(tmp_path / "reference" / "metrics.jsonl") if r["split"] == "train"]
+    got = [r["loss"] for r in records if r["split"] == "train"]
+    assert len(got) == len(expected) == 300 and got == pytest.approx(expected, rel=1e-10)
