@@ -170,3 +170,28 @@ def test_metadata_that_is_not_a_pickle_is_named(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"\x80\x04junk")
     with pytest.raises(CheckpointError, match=r"\.metadata is not a readable checkpoint metadata file"):
         files.read_metadata(tmp_path)
+
+
+def save_or_error(directory: str, step: int) -> str:
+    try:
+        checkpoint_dir.save_state(Path(directory), step, state_of(step), keep=2)
+        return "saved"
+    except CheckpointError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("blocked", ["the checkpoints folder", "the checkpoint's own folder"])
+def test_a_checkpoint_that_cannot_be_written_is_an_error_on_every_rank(dist2, tmp_path, blocked):
+    """A path taken by a file (or a full disk) where rank 0 prepares the folder, or where DCP writes: the same
+    error on every rank (no rank left waiting in a collective), and the checkpoints before stay intact."""
+    directory = tmp_path / "checkpoints"
+    dist2.run(save_steps, directory=str(directory), steps=(2,))
+    if blocked == "the checkpoints folder":
+        directory = tmp_path / "taken"
+        directory.write_text("a file where the folder should be")
+    else:
+        (directory / "step_00000004.partial").write_text("a file where DCP makes its folder")
+    errors = dist2.run(save_or_error, directory=str(directory), step=4)
+    assert errors[0] == errors[1] and errors[0].startswith("cannot write the checkpoint of step 4: "), errors
+    assert "the checkpoints before it are intact" in errors[0]
+    assert checkpoint_dir.checkpoints(tmp_path / "checkpoints") == [(2, tmp_path / "checkpoints" / "step_00000002")]

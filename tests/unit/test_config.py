@@ -127,3 +127,15 @@ def test_unreadable_configs_are_named(tmp_path, content, message):
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
         cfg.load(path)
+
+
+def test_a_run_dir_that_cannot_be_written_is_refused_before_any_worker(tmp_path):
+    from hybridpar.train.trainer import prepare_run_dir
+
+    (tmp_path / "file").write_text("")
+    for run_dir, message in ((tmp_path / "file", "is a file, not a folder"),
+                             (tmp_path / "file" / "run", "is a file, not a folder")):
+        config = cfg.parse(table(run_dir=str(run_dir)))
+        with pytest.raises(ConfigError, match=f"run_dir = '{run_dir}': {tmp_path / 'file'} {message}"):
+            prepare_run_dir(config, resume=False)
+    assert prepare_run_dir(cfg.parse(table(run_dir=str(tmp_path / "new" / "run"))), resume=False) is None

@@ -105,12 +105,18 @@ def write_manifest(path: Path) -> None:
     mine = {name: _digest(path / name) for name in _my_share(names)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    problem = None
     if dist.get_rank() == 0:
         files = {name: entry for part in everyone for name, entry in part.items()}
         temporary = path / (MANIFEST + ".tmp")
-        temporary.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
-        os.replace(temporary, path / MANIFEST)
-    dist.barrier()
+        try:
+            temporary.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
+            os.replace(temporary, path / MANIFEST)
+        except OSError as err:  # a full disk: an error on every rank, not rank 0 alone
+            problem = f"cannot write {temporary}: {err.strerror}"
+    problem = _broadcast(problem)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def verify(path: Path) -> str | None:

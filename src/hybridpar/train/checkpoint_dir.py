@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hybridpar.errors import CheckpointError, ConfigError
 from hybridpar.parallel import checkpoint as sharded
@@ -54,24 +55,52 @@ def save(directory: Path, step: int, parallel, optimizer, *, keep: int) -> Path:
 
 def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
     """Write ``state`` (what DCP writes: tensors, DTensors) as the checkpoint of ``step`` (collective over
-    all ranks); keep the newest ``keep``."""
+    all ranks); keep the newest ``keep``. A file that cannot be written (a full disk, a path taken by a file)
+    is a ``CheckpointError`` on every rank; the checkpoints before stay intact."""
     final = directory / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    sharded.write(state | {"progress": {"step": torch.tensor(step)}}, partial)
-    if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        for _, old in checkpoints(directory)[:-keep]:
-            shutil.rmtree(old)
-        for stale in directory.glob("step_*.partial"):  # of saves a stopped run left unfinished
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
+    _agreed_on_rank_0(step, lambda: (shutil.rmtree(partial, ignore_errors=True),
+                                     directory.mkdir(parents=True, exist_ok=True)))
+    try:
+        sharded.write(state | {"progress": {"step": torch.tensor(step)}}, partial)
+    except CheckpointException as err:  # raised by DCP on every rank, with each rank's cause
+        causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]  # (exception, its stack)
+        cause = next((c for c in causes if isinstance(c, OSError)), causes[0] if causes else err)
+        raise CheckpointError(_cannot_write(step, cause)) from None
+    _agreed_on_rank_0(step, lambda: _finish(directory, partial, final, keep))
     return final
+
+
+def _finish(directory: Path, partial: Path, final: Path, keep: int) -> None:
+    """Rank 0, once every rank has written: the rename that makes the checkpoint finished, and the cleanup."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    for _, old in checkpoints(directory)[:-keep]:
+        shutil.rmtree(old)
+    for stale in directory.glob("step_*.partial"):  # of saves a stopped run left unfinished
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _agreed_on_rank_0(step: int, action) -> None:
+    """``action()`` on rank 0, its ``OSError`` a ``CheckpointError`` on every rank (collective: a barrier)."""
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except OSError as err:
+            problem = _cannot_write(step, err)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+
+
+def _cannot_write(step: int, err: BaseException) -> str:
+    where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    return (f"cannot write the checkpoint of step {step}: {reason}{where}; the checkpoints before it are intact: "
+            "free space or fix the path, then continue with --resume")
 
 
 def resume(directory: Path, parallel, optimizer) -> int:

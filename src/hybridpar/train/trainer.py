@@ -11,6 +11,7 @@ batch ``s``, so a run resumed from a checkpoint, under this plan or another, rep
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,7 @@ def prepare_run_dir(config: Config, resume: bool, restarted: bool = False) -> Pa
     """The checkpoint to resume from (``None`` for a fresh run); refuses to overwrite a previous run. A run
     restarted by the elastic agent resumes from its newest checkpoint, or starts again without one."""
     run_dir = Path(config.run_dir)
+    _check_writable(run_dir)
     found = checkpoint_dir.checkpoints(run_dir / "checkpoints")
     if restarted:
         return found[-1][1] if found else None
@@ -176,6 +178,16 @@ def prepare_run_dir(config: Config, resume: bool, restarted: bool = False) -> Pa
                           f"checkpoint (nothing to resume); move {run_dir / 'metrics.jsonl'} away to start again "
                           f"there, or set another run_dir (nothing was overwritten)")
     return None
+
+
+def _check_writable(run_dir: Path) -> None:
+    """``run_dir``, or the nearest folder above it that exists, must be a folder this process may write in."""
+    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: {existing} is a file, not a folder; set another run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir = {str(run_dir)!r}: cannot write in {existing} (read-only, or not yours); set "
+                          "another run_dir")
 
 
 def train(config: Config, *, resume: bool = False, stop_after: int | None = None, progress=None) -> dict:
