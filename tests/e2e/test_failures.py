@@ -231,3 +231,19 @@ def test_a_node_lost_for_good_under_torchrun_replans_and_finishes(tmp_path):
     expected = [r["loss"] for r in metrics.read(tmp_path / "reference" / "metrics.jsonl") if r["split"] == "train"]
     got = [r["loss"] for r in records if r["split"] == "train"]
     assert len(got) == len(expected) == 300 and got == pytest.approx(expected, rel=1e-10)
+
+
+def test_the_automatic_checkpoint_interval_follows_the_failure_rate(tmp_path):
+    """checkpoint.every = 0: saves every Young/Daly interval. Devices that fail all the time (an interval
+    shorter than any step) save after every step; the default rate (devices failing every 50,000 hours) only at
+    the end of a short run. Both say so before training."""
+    runs = {}
+    for name, mtbf in (("failing", "1e-12"), ("default", "")):
+        cfg = config(tmp_path / f"{name}.toml", tmp_path / name, top=DP2)
+        extra = f"\nmtbf_hours = {mtbf}" if mtbf else ""
+        cfg.write_text(cfg.read_text().replace("every = 3", f"every = 0\nkeep = 100{extra}"))
+        runs[name] = hybridpar("train", cfg, "--nproc", 2)
+        assert re.search(r"checkpoints every [\d.e+-]+ (s|min|h) \(Young/Daly", runs[name].stdout), runs[name].stdout
+    assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "failing" / "checkpoints")] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "default" / "checkpoints")] == [6]
+    assert "the devices fail together every 25,000 h on average" in runs["default"].stdout  # 50,000 h / 2

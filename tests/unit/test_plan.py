@@ -609,3 +609,14 @@ def test_sequence_parallelism_is_priced():
     assert sp.memory["activations"] < plain.memory["activations"]
     assert sp.memory["parameters"] == plain.memory["parameters"]
     assert sp.step_time <= plain.step_time
+
+
+def test_checkpoint_interval_is_dalys_refinement_of_youngs():
+    from hybridpar.plan.cost import checkpoint_interval
+
+    # a 10 s save, a failure every 10 hours: Young sqrt(2 * 10 * 36000) = 848.5 s; Daly's terms by hand
+    young = math.sqrt(2 * 10 * 36_000)
+    ratio = 10 / 72_000
+    assert checkpoint_interval(10, 36_000) == pytest.approx(young * (1 + math.sqrt(ratio) / 3 + ratio / 9) - 10)
+    assert checkpoint_interval(10, 36_000) == pytest.approx(841.8, abs=0.1)
+    assert checkpoint_interval(100, 40) == 40  # saving takes longer than failures allow: every mtbf

@@ -236,3 +236,15 @@ def model_state_memory(param_bytes: float, sharding: int, shards: int, optimizer
     grads = param_bytes / (shards if sharding >= 2 else 1)
     state = optimizer_state_bytes(param_bytes, optimizer) / (shards if sharding >= 1 else 1)
     return params, grads, state
+
+
+def checkpoint_interval(save_time: float, mtbf: float) -> float:
+    """Seconds of training between checkpoints that lose the least time to saving and to redoing work after a
+    failure: Daly's higher-order estimate (J. T. Daly, "A higher order estimate of the optimum checkpoint
+    interval for restart dumps", FGCS 22, 2006), which refines Young's ``sqrt(2 * save_time * mtbf)`` (1974);
+    ``mtbf`` is the whole job's mean time between failures. ``mtbf`` itself where saving takes half of it or
+    more."""
+    if save_time >= 2 * mtbf:
+        return mtbf
+    ratio = save_time / (2 * mtbf)
+    return math.sqrt(2 * save_time * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - save_time

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -23,10 +24,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hybridpar.errors import CheckpointError, ConfigError
 from hybridpar.parallel import checkpoint as sharded
 from hybridpar.parallel import checkpoint_files as files
+from hybridpar.plan.cost import checkpoint_interval
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})$")
+ASSUMED_WRITE_RATE = 1e9  # bytes/s a rank writes, for the automatic interval until a save is measured
 
 
 def checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -39,6 +42,53 @@ def checkpoints(directory: Path) -> list[tuple[int, Path]]:
         if match and (path / ".metadata").is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+class Cadence:
+    """When a run saves: after every ``checkpoint.every`` steps, or (``every = 0``) each time the interval of
+    ``plan.cost.checkpoint_interval`` (Young/Daly) has passed, for the measured time of a save (the slowest
+    rank's; before the first, the state's bytes at ``ASSUMED_WRITE_RATE``) and the job's mean time between
+    failures (``checkpoint.mtbf_hours`` of one device over the number of devices); and always at the run's last
+    step and where ``--stop-after`` stops it."""
+
+    def __init__(self, config, world_size: int, state_bytes: float):
+        self.every = config.checkpoint.every
+        self.mtbf = config.checkpoint.mtbf_hours * 3600 / world_size
+        self.save_time = state_bytes / ASSUMED_WRITE_RATE
+        self.last = time.monotonic()
+
+    @property
+    def interval(self) -> float:
+        return checkpoint_interval(self.save_time, self.mtbf)
+
+    def timed(self) -> bool:
+        """Whether, to this rank, the automatic interval has passed since the last save (the ranks agree on it in
+        the step's check: ``finite.update_allowed``)."""
+        return self.every == 0 and time.monotonic() - self.last >= self.interval
+
+    def due(self, done: int, stop: int, total: int, timed: bool) -> bool:
+        return due(done, self.every, stop, total) or timed
+
+    def saved(self, seconds: float, device: torch.device) -> None:
+        """A save took ``seconds`` on this rank: the slowest rank's time sets the next interval (collective)."""
+        slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.save_time, self.last = float(slowest), time.monotonic()
+
+    def describe(self) -> str:
+        if self.every:
+            return f"checkpoints every {self.every} steps"
+        return (f"checkpoints every {_duration(self.interval)} (Young/Daly: a save of about {self.save_time:.2g} s "
+                f"until one is measured; the devices fail together every {_duration(self.mtbf)} on average, "
+                "checkpoint.mtbf_hours)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h" if seconds < 360_000 else f"{seconds / 3600:,.0f} h"
 
 
 def due(done: int, every: int, stop: int, total: int) -> bool:

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import Plan
+from hybridpar.plan.cost import optimizer_state_bytes
 from hybridpar.train import checkpoint_dir, faults, finite, planning, recovery
 from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
 from hybridpar.train.config import Config
@@ -56,6 +58,7 @@ class Run:
     task: Task
     parallel: object  # hybridpar.ParallelModel
     optimizer: torch.optim.Optimizer
+    cadence: checkpoint_dir.Cadence
 
     @property
     def total_steps(self) -> int:
@@ -79,25 +82,29 @@ def check(config: Config, world_size: int, rescale: bool = False) -> int:
 def setup(config: Config, task: Task, plan: Plan) -> Run:
     """The mesh, the parallel model, its optimizer and the task's data, for a checked task and its plan."""
     parallel = task.setup(plan, agreed_mesh(config, plan))
-    return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer))
+    local = sum(p.numel() * p.element_size() for p in (q.to_local() if isinstance(q, DTensor) else q
+                                                         for q in parallel.parameters()))
+    cadence = checkpoint_dir.Cadence(config, dist.get_world_size(),
+                                     local + optimizer_state_bytes(local, config.optimizer.name))
+    return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
-               signal: int = 0) -> tuple[float, float, bool, int]:
+               signal: int = 0) -> tuple[float, float, bool, int, bool]:
     """One optimizer step; returns the global batch's loss, the learning rate, whether the weights were
-    updated (not with a NaN or infinite loss: ``train.finite``) and the stop signal any rank received (0: none;
-    this rank's is ``signal``)."""
+    updated (not with a NaN or infinite loss: ``train.finite``), the stop signal any rank received (0: none;
+    this rank's is ``signal``) and whether the automatic checkpoint interval has passed."""
     cfg = run.config
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + run.task.seed_offset())  # this step's dropout masks
     run.optimizer.zero_grad(set_to_none=True)
     loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
-    updated, signal = finite.update_allowed(cfg, step + 1, loss, signal)
+    updated, signal, timed = finite.update_allowed(cfg, step + 1, loss, signal, run.cadence.timed())
     if updated:
         run.optimizer.step()
         faults.after_update(step + 1, run.parallel.parameters())
-    return mean_over_dp(run.parallel.mesh, loss), lr, updated, signal
+    return mean_over_dp(run.parallel.mesh, loss), lr, updated, signal, timed
 
 
 def _announce(run: Run, log: MetricsLog, start: int, restarted: bool, planned: int | None) -> None:
@@ -107,6 +114,7 @@ def _announce(run: Run, log: MetricsLog, start: int, restarted: bool, planned: i
     if is_root:
         for warning in run.task.warnings():
             logger.warning(warning)
+        logger.info(run.cadence.describe())
     if restarted:
         if is_root:
             logger.info(f"restart {recovery.attempt()} of {recovery.max_restarts()}: training from step {start}")
@@ -122,7 +130,7 @@ def _step(run: Run, step: int, x, y, signal: int, log: MetricsLog, shown, summar
     """Step ``step`` with its record, checkpoint and validation where due; returns the agreed stop signal (a
     checkpoint is then due, and no validation)."""
     config, stop = run.config, summary["steps"]
-    loss, lr, updated, signal = train_step(run, step, x, y, signal)
+    loss, lr, updated, signal, timed = train_step(run, step, x, y, signal)
     done = step + 1
     record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
     if not updated:
@@ -131,10 +139,12 @@ def _step(run: Run, step: int, x, y, signal: int, log: MetricsLog, shown, summar
     shown.advance(record)
     summary["loss"] = loss
     # the checkpoint first: a validation file that fails to read then loses no training
-    if checkpoint_dir.due(done, config.checkpoint.every, stop, run.total_steps) or signal:
+    if run.cadence.due(done, stop, run.total_steps, timed) or signal:
         finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
+        begin = time.monotonic()
         summary["checkpoint"] = str(checkpoint_dir.save(Path(config.run_dir) / "checkpoints", done, run.parallel,
                                                         run.optimizer, keep=config.checkpoint.keep))
+        run.cadence.saved(time.monotonic() - begin, run.parallel.device)
     if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps) \
             and not signal:
         summary["val"] = run.task.validate()
