@@ -50,7 +50,7 @@ def write(state: dict, path: Path) -> None:
 def read(state: dict, path: Path) -> None:
     """Read the checkpoint folder ``path`` into the tensors of ``state`` in place, its metadata unpickled with
     DCP's types only (collective)."""
-    files.read_metadata(path)  # a crafted file is refused here in words (inside dcp.load it would be wrapped)
+    files.read_metadata(path)  # a crafted file is refused here in words (DCP folds a reader's error into its own)
     dcp.load(state, storage_reader=files.SafeReader(path))
 
 

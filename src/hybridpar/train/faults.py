@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hybridpar.errors import ConfigError
 
@@ -74,4 +75,4 @@ def after_update(step: int, parameters) -> None:
     if _due(step) == "inf":
         with torch.no_grad():
             weight = next(iter(parameters))
-            (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[0] = float("inf")
+            (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = float("inf")

@@ -60,8 +60,7 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int, r
 def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int, rescale: bool = False) -> Plan:
     """The plan of the ``[mesh]`` section: ``dp x spatial`` (a GPT: ``dp``), DDP or FSDP."""
     mesh = config.mesh
-    spatial = (1,) if config.model.name == "gpt" else tuple(mesh.spatial)
-    plan = Plan(dp=mesh.dp, spatial=spatial, sharding=3 if mesh.data_parallel == "fsdp" else 0,
+    plan = Plan(dp=mesh.dp, spatial=mesh_spatial(config), sharding=3 if mesh.data_parallel == "fsdp" else 0,
                 global_batch=config.train.batch_size, input_shape=input_shape, dtype=config.train.dtype,
                 optimizer=config.optimizer.name, model=config.model.name)
     if plan.world_size != world_size:
@@ -72,6 +71,11 @@ def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int, res
                           f"that it makes {world_size}, or set plan = \"auto\" (with cluster) to let the planner "
                           "choose")
     return plan
+
+
+def mesh_spatial(config: Config) -> tuple[int, ...]:
+    """``[mesh]``'s spatial grid: ``mesh.spatial``, or ``(1,)`` for a GPT (no volume to split)."""
+    return (1,) if config.model.name == "gpt" else tuple(config.mesh.spatial)
 
 
 def rescaled(plan: Plan, world_size: int, where: str) -> Plan:
@@ -218,7 +222,7 @@ def planned_world_size(config: Config, run_dir) -> int | None:
     """The number of processes the run was planned for before this invocation: ``[mesh]``'s, the plan file's,
     or (``plan = "auto"``) that of the plan kept in ``run_dir``; ``None`` where unknown."""
     if not config.plan:
-        return config.mesh.dp * (1 if config.model.name == "gpt" else math.prod(config.mesh.spatial))
+        return config.mesh.dp * math.prod(mesh_spatial(config))
     path = config.plan if config.plan != "auto" else run_dir / "plan.json"
     try:
         return read_plan_file(str(path))[0].world_size
