@@ -47,6 +47,13 @@ class ParallelDims:
     def sizes(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "spatial": self.num_spatial, "tp": self.tp}
 
+    def coords(self, rank: int) -> dict[str, int]:
+        """The index of global rank ``rank`` along each mesh axis (the mesh is row-major over ``AXES``)."""
+        sizes, out = self.sizes(), {}
+        for axis in reversed(AXES):
+            rank, out[axis] = divmod(rank, sizes[axis])
+        return {axis: out[axis] for axis in AXES}
+
     def describe(self) -> str:
         grid = "x".join(map(str, self.spatial))
         return f"pp={self.pp} x dp={self.dp} x spatial={grid} ({self.num_spatial}) x tp={self.tp}"

@@ -5,7 +5,8 @@ before any communication, and a split that cannot be exact is refused on all ran
 
 Conventions: a *dim* is a tensor dim; along each spatial dim the global extent ``size`` is split
 into ``parts`` contiguous slabs by ``split_bounds`` (the first ``size % parts`` slabs get one row
-more). Every tensor of a given global shape has the same split, so tensors of equal shape (a skip
+more), or, with ``weights`` (a slow or a smaller device holds fewer rows), in proportion to the weights.
+Every tensor of a given global shape has the same split, so tensors of equal shape (a skip
 connection and the decoder output it is concatenated with) always line up.
 """
 
@@ -19,8 +20,12 @@ from hybridpar.errors import GeometryError
 BOUNDARIES = ("zeros", "circular", "reflect", "replicate")
 
 
-def split_bounds(size: int, parts: int) -> tuple[tuple[int, int], ...]:
-    """``[start, stop)`` of each of ``parts`` slabs of ``size`` rows (balanced, larger slabs first)."""
+def split_bounds(size: int, parts: int, weights: tuple[int, ...] = ()) -> tuple[tuple[int, int], ...]:
+    """``[start, stop)`` of each of ``parts`` slabs of ``size`` rows: balanced, larger slabs first; or, with
+    ``weights`` (one whole number per part), rows in proportion to the weights, rounded to the nearest row
+    boundary and at least one row per part where ``size >= parts`` (deep, small layers stay split)."""
+    if weights:
+        return _weighted_bounds(size, parts, weights)
     base, extra = divmod(size, parts)
     bounds, start = [], 0
     for i in range(parts):
@@ -30,11 +35,46 @@ def split_bounds(size: int, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple(bounds)
 
 
+def _weighted_bounds(size: int, parts: int, weights: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    total, cumulative, stops = sum(weights), 0, []
+    for i, w in enumerate(weights):
+        cumulative += w
+        nearest = (2 * size * cumulative + total) // (2 * total)  # integers: the same on every rank
+        low = (stops[-1] if stops else 0) + (1 if size >= parts else 0)
+        stops.append(max(low, min(nearest, size - (parts - 1 - i) if size >= parts else size)))
+    return tuple(zip((0, *stops[:-1]), stops))
+
+
+def even_weights(weights: tuple[int, ...]) -> bool:
+    """Weights that ask for no more than the balanced split (none, or all alike)."""
+    return len(set(weights)) <= 1
+
+
 @dataclass(frozen=True)
 class Grid:
-    """Parts per spatial dim; rank ``r`` of the spatial mesh sits at ``coords(r)`` (row-major)."""
+    """Parts per spatial dim; rank ``r`` of the spatial mesh sits at ``coords(r)`` (row-major). ``weights``:
+    per spatial dim, one whole number per part (rows in proportion), or ``()`` for balanced slabs; weights
+    that are all alike are stored as ``()``, so that a grid has one form."""
 
     parts: tuple[int, ...]
+    weights: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        parts, weights = tuple(self.parts), tuple(tuple(w) for w in self.weights)
+        object.__setattr__(self, "parts", parts)
+        if weights and len(weights) != len(parts):
+            raise GeometryError(f"slab weights {weights} give {len(weights)} spatial dims but the grid {parts} has "
+                                f"{len(parts)}; give one list of weights per spatial dim")
+        for axis, (w, p) in enumerate(zip(weights, parts)):
+            if len(w) not in (0, p) or any(not isinstance(x, int) or x < 1 for x in w):
+                raise GeometryError(f"slab weights {list(w)} of spatial dim {axis}: give {p} whole numbers >= 1 "
+                                    f"(one per part), or none for even slabs")
+        weights = tuple(() if even_weights(w) else w for w in weights)
+        object.__setattr__(self, "weights", weights if any(weights) else ())
+
+    def bounds(self, axis: int, size: int) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` of every part's slab along spatial dim ``axis`` of ``size`` rows."""
+        return split_bounds(size, self.parts[axis], self.weights[axis] if self.weights else ())
 
     @property
     def size(self) -> int:
@@ -65,7 +105,7 @@ class Grid:
 
     def slab(self, spatial_shape: tuple[int, ...], rank: int) -> tuple[tuple[int, int], ...]:
         """``[start, stop)`` per spatial dim of the slab ``rank`` holds of a volume of ``spatial_shape``."""
-        return tuple(split_bounds(n, p)[c] for n, p, c in zip(spatial_shape, self.parts, self.coords(rank)))
+        return tuple(self.bounds(axis, n)[c] for axis, (n, c) in enumerate(zip(spatial_shape, self.coords(rank))))
 
     def check_shape(self, spatial_shape: tuple[int, ...], where: str) -> None:
         """Refuse a volume that leaves some slab empty."""
@@ -172,7 +212,7 @@ def plan_exchange(
     *,
     axis: int,
     size: int,
-    parts: int,
+    bounds: tuple[tuple[int, int], ...],
     needs: tuple[tuple[int, int], ...],
     boundary: str,
     part: int,
@@ -180,13 +220,14 @@ def plan_exchange(
 ) -> DimExchange:
     """The exchange along one spatial dim for ``part``, given the rows every part needs.
 
-    ``needs[q]`` is ``[start, stop)`` in global rows (outside ``[0, size)`` means padding, filled per
-    ``boundary``). Every part computes every part's pieces, so senders and receivers agree. A row
-    owned by a part that is not a neighbour (halo wider than a slab) is refused.
+    ``bounds`` are the parts' slabs of the ``size`` rows (``Grid.bounds``); ``needs[q]`` is ``[start, stop)``
+    in global rows (outside ``[0, size)`` means padding, filled per ``boundary``). Every part computes every
+    part's pieces, so senders and receivers agree. A row owned by a part that is not a neighbour (halo wider
+    than a slab) is refused.
     """
     if boundary not in BOUNDARIES:
         raise GeometryError(f"{where}: padding mode {boundary!r} is not one of {BOUNDARIES}")
-    bounds = split_bounds(size, parts)
+    parts = len(bounds)
     all_pieces = []
     for q, need in enumerate(needs):
         try:

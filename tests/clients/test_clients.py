@@ -63,6 +63,8 @@ LANGUAGE_PLANS = {  # world size, plan fields
     "tp2-pp2": (4, dict(tp=2, pp=2, micro_batches=2)),
     "fsdp2-tp2": (4, dict(dp=2, tp=2, sharding=3)),
     "pp4": (4, dict(pp=4, micro_batches=4)),  # the tied copies on the first and last of four ranks
+    "dp2-shares": (2, dict(dp=2, shares=(3, 1))),  # a slow replica's share (rebalancing)
+    "fsdp2-tp2-shares": (4, dict(dp=2, tp=2, sharding=3, shares=(1, 3))),
 }
 
 
@@ -83,7 +85,7 @@ def language_equivalence(name: str, fields: dict) -> float:
         fields["stages"] = STAGES[name][fields["pp"]]
     plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), dtype="float64", **fields)
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
-    mine = replica_slice(parallel, BATCH)
+    mine = replica_slice(parallel)
     loss = parallel.train_step(idx[mine], targets[mine])
     return check_step(parallel, reference, loss, lm_loss(reference(idx).logits, targets))
 
@@ -144,8 +146,8 @@ def volume_equivalence(name: str, fields: dict, batch: int = 2) -> float:
     spatial = plan.dims.num_spatial > 1
     loss_fn = (lambda out, target: mse_loss(out, target, mesh["spatial"])) if spatial else F.mse_loss
     parallel = parallelize(model, plan, mesh, loss_fn=loss_fn, example_input=x)
-    mine = replica_slice(parallel, batch)
-    x_mine, y_mine = (shard(t[mine], mesh["spatial"], grid=plan.spatial) if spatial else t[mine] for t in (x, y))
+    mine = replica_slice(parallel)
+    x_mine, y_mine = (shard(t[mine], mesh["spatial"], grid=plan.grid) if spatial else t[mine] for t in (x, y))
     loss = parallel.train_step(x_mine, y_mine)
     return check_step(parallel, reference, loss, F.mse_loss(reference(x), y))
 
@@ -160,6 +162,11 @@ VOLUME_PLANS = {  # network, plan: world size, plan fields
     ("dynunet", "fsdp2"): (2, dict(dp=2, sharding=3)),
     ("basicunet", "spatial2"): (2, dict(spatial=(2, 1, 1))),
     ("unetr", "dp2"): (2, dict(dp=2)),
+    # uneven slabs and shares (rebalancing around a slow rank): rows in proportion to the weights
+    ("unet", "spatial2-slabs"): (2, dict(spatial=(2, 1, 1), slabs=((5, 3), (), ()))),
+    ("unet-batchnorm", "dp2-shares-spatial2-slabs"): (4, dict(dp=2, shares=(3, 1), spatial=(1, 2, 1),
+                                                            slabs=((), (1, 3), ()))),
+    ("segresnet", "spatial2-slabs"): (2, dict(spatial=(2, 1, 1), slabs=((2, 1), (), ()))),
 }
 
 
@@ -183,7 +190,8 @@ def test_unetr_refuses_a_spatial_split_before_any_communication(dist2):
 @pytest.mark.parametrize("name, plan", _by_world(VOLUME_PLANS))
 def test_volume_networks(dist2, dist4, name, plan):
     world, fields = VOLUME_PLANS[name, plan]
-    (dist2 if world == 2 else dist4).run(volume_equivalence, name=name, fields=fields)
+    batch = sum(fields.get("shares", ())) or 2
+    (dist2 if world == 2 else dist4).run(volume_equivalence, name=name, fields=fields, batch=batch)
 
 
 # --- the catalogue: what the search proposes, the runtime runs ------------------------------------------
@@ -251,8 +259,8 @@ def searched_equivalence(name: str, constraints: dict) -> str:
     loss_fn = lm_loss if tokens_in else (
         (lambda out, target: mse_loss(out, target, mesh["spatial"])) if spatial else F.mse_loss)
     parallel = parallelize(model, plan, mesh, loss_fn=loss_fn, example_input=x)
-    mine = replica_slice(parallel, len(x))
-    x_mine, y_mine = (shard(t[mine], mesh["spatial"], grid=plan.spatial) if spatial else t[mine] for t in (x, y))
+    mine = replica_slice(parallel)
+    x_mine, y_mine = (shard(t[mine], mesh["spatial"], grid=plan.grid) if spatial else t[mine] for t in (x, y))
     loss = parallel.train_step(x_mine, y_mine)
     output = reference(x)
     expected = lm_loss(output.logits if hasattr(output, "logits") else output, y) if tokens_in else \
@@ -297,7 +305,7 @@ def tied_checkpoint(path: str, fields: dict, save: bool) -> dict:
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)
     optimizer = torch.optim.Adam(parallel.parameters(), lr=1e-2)
     if save:
-        mine = replica_slice(parallel, BATCH)
+        mine = replica_slice(parallel)
         parallel.train_step(idx[mine], targets[mine])
         optimizer.step()
         checkpoint.save(parallel, optimizer, path)

@@ -60,7 +60,7 @@ def equivalence(fields: dict) -> float:
         norm = next(m for module in parallel.modules.values() for m in module.modules()
                     if isinstance(m, torch.nn.LayerNorm))
         norm.register_forward_pre_hook(lambda m, args: tokens_seen.append(args[0].to_local().shape[1]))
-    mine = replica_slice(parallel, BATCH)
+    mine = replica_slice(parallel)
     loss = parallel.train_step(idx[mine], targets[mine])
     assert set(tokens_seen) == ({T // plan.tp} if plan.sequence_parallel else set())
     return check_step(parallel, reference, loss, lm_loss(reference(idx), targets))
@@ -80,13 +80,13 @@ def cnn_equivalence(fields: dict) -> float:
     layers = tuple(fields.pop("layers", {}).items())
     plan = Plan(global_batch=4, input_shape=tuple(x.shape), layers=layers, dtype="float64", **fields)
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=F.mse_loss, example_input=x)
-    mine = replica_slice(parallel, 4)
-    slab = shard(x[mine], parallel.mesh["spatial"], grid=plan.spatial) if plan.dims.num_spatial > 1 else x[mine]
+    mine = replica_slice(parallel)
+    slab = shard(x[mine], parallel.mesh["spatial"], grid=plan.grid) if plan.dims.num_spatial > 1 else x[mine]
     loss = parallel.train_step(slab, y[mine])
     check_step(parallel, reference, loss, F.mse_loss(reference(x), y))
     # the outputs of any number of samples (3: a pipeline pads the last of its training-sized batches), in
     # evaluation mode, on every rank
-    few = shard(x[:3], parallel.mesh["spatial"], grid=plan.spatial) if plan.dims.num_spatial > 1 else x[:3]
+    few = shard(x[:3], parallel.mesh["spatial"], grid=plan.grid) if plan.dims.num_spatial > 1 else x[:3]
     torch.testing.assert_close(parallel.predict(few), reference.eval()(x[:3]), **TOL)
     assert all(m.training for module in parallel.modules.values() for m in module.modules())
     return loss.item()
@@ -101,6 +101,8 @@ CASES2 = {
     "pp2-1f1b": dict(pp=2, stages=PP2, schedule="1f1b", micro_batches=4),
     "pp2-interleaved": dict(pp=2, stages=PP4, schedule="interleaved-1f1b", micro_batches=4),
     "fsdp2": dict(dp=2, sharding=3),
+    "dp2-shares": dict(dp=2, shares=(5, 3)),
+    "fsdp2-shares": dict(dp=2, sharding=3, shares=(2, 6)),
     "tp2-checkpointing": dict(tp=2, checkpointing=True),
     "tp2-sequence": dict(tp=2, sequence_parallel=True),
 }
@@ -132,7 +134,7 @@ def searched_equivalence(constraints: dict) -> tuple:
     cluster = dataclasses.replace(cluster_of("a100-80"), num_nodes=1, devices_per_node=dist.get_world_size())
     plan = search_plans(model, idx, cluster, dtype="float64", **constraints).plans[0]
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss)
-    mine = replica_slice(parallel, 4)
+    mine = replica_slice(parallel)
     check_step(parallel, reference, parallel.train_step(idx[mine], targets[mine]), lm_loss(reference(idx), targets))
     return plan.describe(), plan.stages, dict(plan.layers).get("blocks.0.attn.qkv")
 
@@ -151,6 +153,10 @@ CNN_CASES = {
     "spatial2-filter2": (4, dict(spatial=(2, 1, 1), tp=2, layers=FILTER_PAIR)),
     "dp2-batchnorm": (2, dict(dp=2, batch_norm=True)),  # statistics over the global batch without a spatial split
     "fsdp2-batchnorm": (2, dict(dp=2, sharding=3, batch_norm=True)),
+    # rebalancing around a slow rank: uneven shares of the batch, slabs with rows in proportion to the weights
+    "dp2-shares-batchnorm": (2, dict(dp=2, shares=(3, 1), batch_norm=True)),
+    "spatial4-slabs": (4, dict(spatial=(2, 2, 1), slabs=((3, 1), (1, 2), ()))),
+    "dp2-shares-spatial2-slabs": (4, dict(dp=2, shares=(1, 3), spatial=(2, 1, 1), slabs=((2, 7), (), ()))),
 }
 
 
@@ -235,7 +241,7 @@ def train(parallel, optimizer, steps) -> list[float]:
     losses = []
     for step in steps:
         idx, targets = batch_of_step(step)
-        mine = replica_slice(parallel, BATCH)
+        mine = replica_slice(parallel)
         optimizer.zero_grad()
         loss = parallel.train_step(idx[mine], targets[mine])
         optimizer.step()

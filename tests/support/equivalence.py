@@ -25,10 +25,9 @@ def plan_mesh(plan):
     return harness.mesh(tuple(plan.dims.sizes()[a] for a in AXES), AXES)
 
 
-def replica_slice(parallel, batch: int) -> slice:
-    per = batch // parallel.plan.dp
-    replica = parallel.mesh["dp"].get_local_rank()
-    return slice(replica * per, (replica + 1) * per)
+def replica_slice(parallel) -> slice:
+    """This replica's samples of the global batch: even, or its share (``plan.shares``)."""
+    return slice(*parallel.plan.batch_rows(parallel.mesh["dp"].get_local_rank()))
 
 
 def check_step(parallel, reference, loss: torch.Tensor, expected: torch.Tensor) -> float:
@@ -39,9 +38,9 @@ def check_step(parallel, reference, loss: torch.Tensor, expected: torch.Tensor) 
     whole = sum(p.numel() for p in reference.parameters())
     assert local < whole if plan.tp * plan.pp > 1 or plan.sharding else local == whole  # really split
     expected.backward()
-    mean = loss.clone()
+    mean = loss.clone() * parallel.loss_weight  # an uneven share's loss weighs by its samples
     dist.all_reduce(mean)
-    torch.testing.assert_close(mean / dist.get_world_size(), expected.detach(), **TOL)  # replicas' mean loss
+    torch.testing.assert_close(mean / dist.get_world_size(), expected.detach(), **TOL)  # the global batch's loss
     grads = parallel.gather_gradients()
     assert set(grads) == {name for name, _ in reference.named_parameters()}
     for name, param in reference.named_parameters():  # zeros for a parameter the forward does not use

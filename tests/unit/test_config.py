@@ -63,6 +63,9 @@ def test_defaults_and_values():
     ({"run_dir": ""}, "run_dir = '': give the folder"),
     ({"optimizer": {"lr": 1e300}}, r"optimizer.lr = 1e\+300 does not fit train.dtype = 'float32' \(at most 3.4e\+38\)"),
     ({"train": {"non_finite": "ignore"}}, "train.non_finite = 'ignore': use one of 'stop', 'skip'"),
+    ({"train": {"slow_factor": 1.0}}, r"train.slow_factor = 1.0: must be greater than 1 \(a rank that many times"),
+    ({"train": {"slow_window": 0}}, "train.slow_window = 0: must be at least 1"),
+    ({"train": {"rebalance": "yes"}}, "train.rebalance"),
 ])
 def test_bad_keys_and_values(sections, message):
     with pytest.raises(ConfigError, match=message):

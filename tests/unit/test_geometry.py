@@ -28,6 +28,36 @@ def test_split_bounds_uneven_larger_first():
     assert split_bounds(5, 4) == ((0, 2), (2, 3), (3, 4), (4, 5))
 
 
+def test_weighted_split_bounds_follow_the_weights():
+    assert split_bounds(32, 2, (3, 1)) == ((0, 24), (24, 32))
+    assert split_bounds(10, 3, (1, 2, 2)) == ((0, 2), (2, 6), (6, 10))
+    assert split_bounds(2, 2, (1, 9)) == ((0, 1), (1, 2)), "every part keeps a row where there are enough"
+    assert split_bounds(1, 2, (1, 3)) == ((0, 0), (0, 1))
+
+
+@pytest.mark.parametrize("size", range(1, 40))
+@pytest.mark.parametrize("weights", [(1, 2), (5, 3), (1, 1, 6), (2, 7, 3, 1), (9, 1, 1, 9)])
+def test_weighted_split_bounds_tile_and_stay_near_the_proportion(size, weights):
+    bounds = split_bounds(size, len(weights), weights)
+    assert bounds[0][0] == 0 and bounds[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False)), bounds
+    lengths = [hi - lo for lo, hi in bounds]
+    if size >= len(weights):
+        assert min(lengths) >= 1, bounds
+        ideal = [size * w / sum(weights) for w in weights]
+        # rounding moves each boundary by at most half a row; the one-row floor of thin parts by at most parts rows
+        assert all(abs(n - i) <= len(weights) for n, i in zip(lengths, ideal, strict=True)), (bounds, ideal)
+
+
+def test_grid_weights_have_one_form_and_are_checked():
+    assert Grid((2, 1), ((4, 4), ())) == Grid((2, 1)), "weights all alike are the even split"
+    assert Grid((2, 2), ((3, 1), ())).slab((8, 4), 2) == ((6, 8), (0, 2))
+    with pytest.raises(GeometryError, match=r"slab weights \[3\] of spatial dim 0: give 2 whole numbers"):
+        Grid((2,), ((3,),))
+    with pytest.raises(GeometryError, match="give one list of weights per spatial dim"):
+        Grid((2, 1), ((1, 2),))
+
+
 @pytest.mark.parametrize("size", range(1, 30))
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
 def test_split_bounds_tiles_and_balances(size, parts):
@@ -117,7 +147,8 @@ def _oracle_rows(need, size, boundary):
 
 
 def _plans(size, parts, needs, boundary, axis=0):
-    return [plan_exchange(axis=axis, size=size, parts=parts, needs=needs, boundary=boundary, part=q, where="test")
+    return [plan_exchange(axis=axis, size=size, bounds=split_bounds(size, parts), needs=needs, boundary=boundary,
+                          part=q, where="test")
             for q in range(parts)]
 
 
@@ -218,12 +249,14 @@ def test_reflect_and_replicate_rows():
 
 def test_reflect_padding_past_the_other_side_is_refused():
     with pytest.raises(GeometryError, match=r"layer X: along spatial dim 1.*use a smaller padding"):
-        plan_exchange(axis=1, size=2, parts=1, needs=((-2, 4),), boundary="reflect", part=0, where="layer X")
+        plan_exchange(axis=1, size=2, bounds=split_bounds(2, 1), needs=((-2, 4),), boundary="reflect", part=0,
+                      where="layer X")
 
 
 def test_unknown_boundary_is_refused():
     with pytest.raises(GeometryError, match=r"layer X: padding mode 'mirror' is not one of"):
-        plan_exchange(axis=0, size=8, parts=2, needs=((-1, 5), (3, 9)), boundary="mirror", part=0, where="layer X")
+        plan_exchange(axis=0, size=8, bounds=split_bounds(8, 2), needs=((-1, 5), (3, 9)), boundary="mirror", part=0,
+                      where="layer X")
 
 
 @pytest.mark.parametrize("boundary", ["zeros", "circular", "replicate", "reflect"])
@@ -231,7 +264,8 @@ def test_halo_wider_than_neighbour_slab(boundary):
     # depth 5 over 4 parts: slabs of 2, 1, 1, 1 rows, and a k5 p2 window needs 2 rows each side
     needs = _conv_needs(5, 4, kernel=5, pad=2)
     with pytest.raises(GeometryError) as info:
-        plan_exchange(axis=2, size=5, parts=4, needs=needs, boundary=boundary, part=3, where="layer 'c1' (Conv3d)")
+        plan_exchange(axis=2, size=5, bounds=split_bounds(5, 4), needs=needs, boundary=boundary, part=3,
+                      where="layer 'c1' (Conv3d)")
     msg = str(info.value)
     assert "layer 'c1' (Conv3d)" in msg
     assert "along spatial dim 2 (size 5, 4 parts)" in msg

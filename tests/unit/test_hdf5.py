@@ -241,22 +241,24 @@ def _batch_ids(loader, start, stop):
     return [sorted(int(v) for v in y[:, 0]) for _, _, y in loader.batches(start, stop)]
 
 
-def test_dp_groups_read_disjoint_samples_forming_the_global_batch(tmp_path):
+@pytest.mark.parametrize("rows", [((0, 2), (2, 4)), ((0, 3), (3, 4))], ids=["even", "uneven shares"])
+def test_dp_groups_read_disjoint_samples_forming_the_global_batch(tmp_path, rows):
     ds = _dataset(tmp_path, 13)
     grid = Grid((1, 1, 1))
-    one = SlabLoader(ds, batch_size=4, dp=(1, 0), grid=grid, spatial_rank=0, seed=3)
-    parts = [SlabLoader(ds, batch_size=4, dp=(2, r), grid=grid, spatial_rank=0, seed=3) for r in range(2)]
+    one = SlabLoader(ds, batch_size=4, dp=1, rows=(0, 4), grid=grid, spatial_rank=0, seed=3)
+    parts = [SlabLoader(ds, batch_size=4, dp=2, rows=r, grid=grid, spatial_rank=0, seed=3) for r in rows]
     assert one.steps_per_epoch == 3 and parts[0].steps_per_epoch == 3
-    for a, b, want in zip(_batch_ids(parts[0], 0, 6), _batch_ids(parts[1], 0, 6), _batch_ids(one, 0, 6)):
-        assert len(a) == len(b) == 2 and not set(a) & set(b)
+    for a, b, want in zip(_batch_ids(parts[0], 0, 6), _batch_ids(parts[1], 0, 6), _batch_ids(one, 0, 6),
+                          strict=True):
+        assert (len(a), len(b)) == tuple(stop - start for start, stop in rows) and not set(a) & set(b)
         assert sorted(a + b) == want
 
 
 def test_loader_resumes_mid_epoch_with_the_same_batches(tmp_path):
     ds = _dataset(tmp_path, 10)
-    loader = SlabLoader(ds, batch_size=2, dp=(1, 0), grid=Grid((1, 1, 1)), spatial_rank=0, seed=0, prefetch=3)
+    loader = SlabLoader(ds, batch_size=2, dp=1, rows=(0, 2), grid=Grid((1, 1, 1)), spatial_rank=0, seed=0, prefetch=3)
     full = [y[:, 0].tolist() for _, _, y in loader.batches(0, 12)]
-    again = SlabLoader(ds, batch_size=2, dp=(1, 0), grid=Grid((1, 1, 1)), spatial_rank=0, seed=0)
+    again = SlabLoader(ds, batch_size=2, dp=1, rows=(0, 2), grid=Grid((1, 1, 1)), spatial_rank=0, seed=0)
     assert [y[:, 0].tolist() for _, _, y in again.batches(7, 12)] == full[7:]
     assert full[:5] != full[5:10], "epochs are shuffled differently"
 

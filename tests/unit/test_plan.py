@@ -259,7 +259,8 @@ def test_grid_check_follows_the_runtime_rule():
         needs = tuple(window.need(*b) for b in split_bounds(out, parts))
         try:
             for part in range(parts):
-                plan_exchange(axis=0, size=size, parts=parts, needs=needs, boundary="zeros", part=part, where="x")
+                plan_exchange(axis=0, size=size, bounds=split_bounds(size, parts), needs=needs, boundary="zeros",
+                              part=part, where="x")
             runtime_ok = out >= parts
         except GeometryError:
             runtime_ok = False

@@ -64,6 +64,12 @@ def run(args, console: Console) -> int:
     console.print(_summary(args, graph, spec, result, analysed - start, searched - analysed), highlight=False,
                   soft_wrap=True)
     console.print(_plans_table(result.plans))
+    if result.sized:
+        best = result.sized[0]
+        even, sized = best.even.prediction.step_time, best.plan.prediction.step_time
+        console.print(f"{best.plan.describe()} is sized to the devices: {sized * 1e3:.4g} ms per step, against "
+                      f"{even * 1e3:.4g} ms split evenly ({even / sized:.2f}x)", highlight=False, soft_wrap=True)
+        console.print(_sized_table(best))
     console.print(_losers_table(result))
     if args.out:
         console.print(f"best plan written to {args.out} (use it with plan = \"{args.out}\" in a training config)")
@@ -109,6 +115,15 @@ def _plans_table(plans) -> Table:
         table.add_row(str(rank), p.describe(), f"{pred.step_time * 1e3:.4g}", f"{pred.samples_per_second:.4g}",
                       f"{pred.memory['total'] / GiB:.3g}", _largest(memory, 1 / GiB, SHORT, 3),
                       _largest(pred.communication, 1e3, SHORT, 3))
+    return table
+
+
+def _sized_table(sized) -> Table:
+    """How a plan on a mixed cluster shares the work: each kind of device's speed (the cost model's) and the largest
+    work of one of its devices, even and sized (1: an even share)."""
+    table = Table("devices", "count", "speed", "work (even)", "work (sized)", title="work per device")
+    for name, count, speed, work_even, work_sized in sized.rows:
+        table.add_row(name, str(count), f"{speed:.2f}", f"{work_even:.2f}", f"{work_sized:.2f}")
     return table
 
 

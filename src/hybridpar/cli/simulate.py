@@ -81,7 +81,8 @@ def _output(args) -> Path | None:
 
 
 def _table(points) -> tuple[Table, list[tuple[int, str]]]:
-    """Devices x family: ms per step, samples/s, efficiency and the plan; or a numbered note why none."""
+    """Devices x family: ms per step, samples/s, efficiency (on a mixed cluster, the gain of sizing the work to the
+    devices over an even split) and the plan; or a numbered note why none."""
     families = list(dict.fromkeys(p.family for p in points))
     table = Table("devices", "global batch", *families,
                   title="ms per step, samples/s, efficiency; best plan")
@@ -95,8 +96,9 @@ def _table(points) -> tuple[Table, list[tuple[int, str]]]:
                 number = notes.setdefault(p.reason, len(notes) + 1)
                 cells.append(f"[dim]no plan ({number})[/]")
             else:
+                gain = f", {p.even_step_time / p.step_time:.2f}x over even" if p.even_step_time else ""
                 cells.append(f"{p.step_time * 1e3:.4g} ms, {_rate(p.samples_per_second)}/s, "
-                             f"{100 * p.efficiency:.0f}%\n[dim]{p.plan.describe()}[/]")
+                             f"{100 * p.efficiency:.0f}%{gain}\n[dim]{p.plan.describe()}[/]")
         table.add_row(str(n), str(row[families[0]].global_batch), *cells)
     return table, [(number, reason) for reason, number in notes.items()]
 

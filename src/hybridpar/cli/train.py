@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     train.add_argument("--max-restarts", type=non_negative, default=0, metavar="N",
                        help="after a worker dies, restart all of them from the newest intact checkpoint, up to N "
                             "times (under torchrun: torchrun's own --max-restarts)")
+    train.add_argument("--rebalance", action="store_true",
+                       help="give a rank found slow less work (train.rebalance = true): uneven slabs or batch shares "
+                            "sized to the measured speeds, the run re-planned in place from a checkpoint")
     train.add_argument("--oversubscribe", action="store_true",
                        help=f"start local workers even when there are more than {OVERSUBSCRIBE} per CPU core")
 
@@ -35,6 +38,10 @@ def run(args, console: Console) -> int:
     from hybridpar.train.metrics import check_tensorboard
 
     config = load(args.config)  # no torch yet: a mistake in the config is reported at once
+    if args.rebalance:
+        from dataclasses import replace
+
+        config = replace(config, train=replace(config.train, rebalance=True))
     check_tensorboard(config)
     from hybridpar.train.faults import planned
 

@@ -1,5 +1,6 @@
-"""Batches of this rank's slabs: the dp groups read disjoint samples (PyTorch's ``DistributedSampler``
-over the dp axis), the ranks of a spatial group read the slabs of the same samples, and a background
+"""Batches of this rank's slabs: each step's global batch is the next run of one shuffled order of the samples
+(PyTorch's ``DistributedSampler`` as for one replica), of which each dp replica reads its rows (even, or its
+share: ``Plan.batch_rows``); the ranks of a spatial group read the slabs of the same samples, and a background
 thread reads the next batches while the current one trains."""
 
 from __future__ import annotations
@@ -30,14 +31,12 @@ class SlabLoader:
     """Training batches by step number: step ``s`` is batch ``s mod steps_per_epoch`` of epoch
     ``s // steps_per_epoch``, so a resumed run reads exactly what the uninterrupted run would have."""
 
-    def __init__(self, dataset: SlabDataset, *, batch_size: int, dp: tuple[int, int], grid: Grid,
+    def __init__(self, dataset: SlabDataset, *, batch_size: int, dp: int, rows: tuple[int, int], grid: Grid,
                  spatial_rank: int, seed: int, shuffle: bool = True, prefetch: int = 2):
-        num_dp, dp_rank = dp
         self.dataset, self.grid, self.spatial_rank, self.prefetch = dataset, grid, spatial_rank, prefetch
-        self.local_batch = batch_size // num_dp
-        self.sampler = DistributedSampler(dataset, num_replicas=num_dp, rank=dp_rank, shuffle=shuffle, seed=seed,
-                                          drop_last=True)
-        self.steps_per_epoch = steps_per_epoch(len(dataset), batch_size, num_dp)
+        self.batch_size, self.rows = batch_size, rows  # this replica's [start, stop) of each global batch
+        self.sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
+        self.steps_per_epoch = steps_per_epoch(len(dataset), batch_size, dp)
         self._epoch, self._order = None, []
 
     def _indices(self, step: int) -> list[int]:
@@ -45,7 +44,8 @@ class SlabLoader:
         if epoch != self._epoch:
             self.sampler.set_epoch(epoch)
             self._epoch, self._order = epoch, list(self.sampler)
-        return self._order[k * self.local_batch:(k + 1) * self.local_batch]
+        first = k * self.batch_size
+        return self._order[first + self.rows[0]:first + self.rows[1]]
 
     def _read(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         xs, ys = zip(*(self.dataset.read(i, self.grid, self.spatial_rank) for i in indices))

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import PlanError
+from hybridpar.geometry import Grid
 from hybridpar.mesh import build_mesh, device_of, flat_mesh
 from hybridpar.parallel import pipeline
 from hybridpar.parallel.data import data_parallel
@@ -61,7 +62,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     checked = check_plan(model, plan, example_input)
     graph, groups = checked.graph, checked.groups
     shape = graph.input_shape
-    grid = plan.spatial if math.prod(plan.spatial) > 1 else (1,) * max(len(shape) - 2, 1)  # one part per dim
+    grid = plan.grid if math.prod(plan.spatial) > 1 else Grid((1,) * max(len(shape) - 2, 1))  # one part per dim
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     params = {name for name, _ in model.named_parameters()}
     stages = holding_stages(names, groups, plan.pp)
@@ -119,7 +120,7 @@ def _tied_groups(tied: list[tuple[str, ...]], stages: dict[str, int], mesh: Devi
     return out
 
 
-def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMesh, checked: Checked,
+def _build(module: nn.Module, plan: Plan, grid: Grid, mesh: DeviceMesh, checked: Checked,
            norm_axes: tuple[str, ...], run) -> tuple[nn.Module, bool]:
     """Steps 3-6 of the module doc on one module (the model, or one pipeline stage, connected to its ``run``
     once its splits are made); also whether the gradients need a manual all-reduce (tensor or pipeline
@@ -130,7 +131,7 @@ def _build(module: nn.Module, plan: Plan, grid: tuple[int, ...], mesh: DeviceMes
     if run is not None:
         pipeline.connect(module, run)
     shared_norms = _has_batch_norm(module) and mesh[norm_axes].size() > 1
-    if math.prod(grid) > 1 or shared_norms:  # the spatial runtime also sums batch-norm statistics over ranks
+    if grid.size > 1 or shared_norms:  # the spatial runtime also sums batch-norm statistics over ranks
         from hybridpar import spatial
 
         module = spatial.parallelize(module, mesh["spatial"], grid=grid, batch_norm_mesh=mesh[norm_axes])

@@ -34,6 +34,9 @@ class ParallelModel:
         self._names, self._params, self._owners = names, params, owners  # of the original model
         self._num_stages = len(modules) * plan.pp if plan.pp > 1 else 1
         self.device = device_of(mesh)
+        # uneven dp shares (plan.shares): this replica's loss scaled so that the replicas' mean of gradients is the
+        # global batch's mean (pipelines take even shares only: plan.check_uneven)
+        self.loss_weight = plan.loss_weight(mesh["dp"].get_local_rank())
 
     @property
     def module(self) -> nn.Module:
@@ -46,13 +49,14 @@ class ParallelModel:
             yield from module.parameters()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one step on this replica's batch; returns its loss (the mean over its
-        micro-batches, the same on every rank of the replica). Gradients accumulate: zero them between
+        """Forward and backward of one step on this replica's batch (``plan.batch_rows`` of the global batch);
+        returns its loss (the mean over its micro-batches, the same on every rank of the replica; the global
+        batch's: ``hybridpar.train.agree.mean_over_dp`` with ``loss_weight``). Gradients accumulate: zero them between
         steps (``optimizer.zero_grad()``)."""
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         if self.schedule is None:
             loss = self.loss_fn(model_output(self.module(inputs)), targets)
-            loss.backward()
+            (loss * self.loss_weight if self.loss_weight != 1.0 else loss).backward()
             loss = loss.detach()
         else:
             loss = self._pipeline_step(inputs, targets)

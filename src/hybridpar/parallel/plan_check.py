@@ -48,12 +48,13 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
                         "tensor-parallel ranks would otherwise each hold whole")
     if plan.tp == 1 and plan.layers and any(s != "replicate" for _, s in plan.layers):
         raise PlanError(f"the plan splits layers over tp ({dict(plan.layers)}) but tp=1; set tp, or drop layers")
+    plan.check_uneven()
     example = _example(model, plan, example_input)  # its shape and dtype: every rank analyses the same zeros
     example = torch.zeros(example.shape, dtype=example.dtype, device="meta")
     graph = graph or graph_of(model, example, dtype=_dtype_name(model))
     spatial, sharded = math.prod(plan.spatial) > 1, plan.sharding > 0 and math.prod(plan.spatial) * plan.dp > 1
     if spatial:
-        check_grid(graph, plan.spatial)  # the spatial runtime's rules, before its first exchange
+        check_grid(graph, plan.grid)  # the spatial runtime's rules, before its first exchange
     splits = check_strategies(dict(plan.layers), graph, plan.tp, sequence_parallel=plan.sequence_parallel,
                               spatial=spatial, sharded=sharded) if plan.tp > 1 else {}
     idle = rules.idle_tp_refusal(graph, plan.tp, [s.strategy for s in splits.values()])

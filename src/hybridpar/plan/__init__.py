@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
 from hybridpar.plan.graph import Layer, ModelGraph
+from hybridpar.plan.mixed import MixedCluster, sized_plan
 from hybridpar.plan.options import check_grid
 from hybridpar.plan.search import SearchResult, search
 from hybridpar.plan.space import Constraints
@@ -26,9 +27,9 @@ if TYPE_CHECKING:
 LAZY = ("analyse", "graph_of")  # the model analysis imports torch: loaded on first use
 
 
-def cluster_of(cluster: ClusterSpec | str) -> ClusterSpec:
+def cluster_of(cluster: ClusterSpec | MixedCluster | str) -> ClusterSpec | MixedCluster:
     """A spec as given, or a preset name or TOML file (read by ``plan.io``)."""
-    if isinstance(cluster, ClusterSpec):
+    if isinstance(cluster, (ClusterSpec, MixedCluster)):
         return cluster
     from hybridpar.plan.io import load_cluster
 
@@ -51,7 +52,17 @@ def search_plans(model: nn.Module | ModelGraph, example_input, cluster: ClusterS
     ``checkpointing``, ``optimizer``, ``max_micro_batches``, ``overlap_halo``, ``top``)."""
     graph = _graph(model, example_input, dtype)
     c = _constraints(graph, global_batch, dtype, constraints)
-    return search(graph, cluster_of(cluster), c)
+    return _search(graph, cluster_of(cluster), c)
+
+
+def _search(graph: ModelGraph, spec: ClusterSpec | MixedCluster, c: Constraints) -> SearchResult:
+    """``search``; on a mixed cluster, on its reference, and each plan then sized to the devices' speeds
+    (``mixed.sized_plan``) and ranked again."""
+    if not isinstance(spec, MixedCluster):
+        return search(graph, spec, c)
+    result = search(graph, spec.reference, c)
+    sized = sorted((sized_plan(spec, p, graph) for p in result.plans), key=lambda s: s.plan.prediction.step_time)
+    return replace(result, plans=[s.plan for s in sized], sized=tuple(sized))
 
 
 HINTS = ("devices", "batch", "constraints")  # what a no-fit message may suggest changing
@@ -66,9 +77,9 @@ def plan(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | st
     graph = _graph(model, example_input, dtype)
     spec = cluster_of(cluster)
     c = _constraints(graph, global_batch, dtype, constraints)
-    result = search(graph, spec, c)
+    result = _search(graph, spec, c)
     if not result.plans:
-        raise PlanError(no_fit_message(graph, spec, c, result, hints))
+        raise PlanError(no_fit_message(graph, getattr(spec, "reference", spec), c, result, hints))
     return result.plans[0]
 
 
@@ -149,6 +160,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hybridpar.plan' has no attribute {name!r}")
 
 
-__all__ = ["HINTS", "PRESETS", "SCHEMA_VERSION", "ClusterSpec", "Constraints", "Layer", "Link", "ModelGraph", "Plan",
+__all__ = ["HINTS", "PRESETS", "SCHEMA_VERSION", "ClusterSpec", "Constraints", "Layer", "Link", "MixedCluster",
+           "ModelGraph", "Plan",
            "Prediction", "SearchResult", "analyse", "check_grid", "cluster_of", "graph_of", "no_fit_message", "plan",
            "preset", "search", "search_plans", "validate"]

@@ -7,11 +7,13 @@ Numbers are converted in decimal (``tomllib`` with ``parse_float=Decimal``), so 
 from __future__ import annotations
 
 import tomllib
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 
 from hybridpar.errors import ClusterError
 from hybridpar.plan.cluster import KINDS, PRESETS, ClusterSpec, GiB, Link
+from hybridpar.plan.mixed import MixedCluster
 from hybridpar.plan.rates import DTYPES, ConvRate, OpRate
 
 # unit -> power of ten from the TOML number to SI ("GiB" is binary, handled apart)
@@ -43,8 +45,9 @@ LINK = {  # key -> (Link field, unit, required)
 }
 
 
-def load_cluster(name_or_path: str | Path) -> ClusterSpec:
-    """A preset by name (``"a100-80"``), or a ClusterSpec TOML file; errors name the file and the key."""
+def load_cluster(name_or_path: str | Path) -> ClusterSpec | MixedCluster:
+    """A preset by name (``"a100-80"``), or a ClusterSpec TOML file, or a mixed cluster's (``[[group]]`` tables
+    of nodes, each a preset or a file beside it); errors name the file and the key."""
     if str(name_or_path) in PRESETS:
         return PRESETS[str(name_or_path)]
     path = Path(name_or_path)
@@ -55,19 +58,36 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
                            f"or write one with `hybridpar calibrate`") from None
     except OSError as err:
         raise ClusterError(f"{path}: cannot read the cluster file ({err.strerror})") from None
-    return cluster_from_toml(text, str(path))
+    return cluster_from_toml(text, str(path), path.parent)
 
 
-def cluster_from_toml(text: str, source: str = "cluster.toml") -> ClusterSpec:
-    """A ClusterSpec from TOML text; ``source`` (the file name) starts every error message."""
+def cluster_from_toml(text: str, source: str = "cluster.toml", base: Path = Path()) -> ClusterSpec | MixedCluster:
+    """A ClusterSpec (or a mixed cluster: ``[[group]]`` tables, their files relative to ``base``) from TOML text;
+    ``source`` (the file name) starts every error message."""
     try:
         table = tomllib.loads(text, parse_float=Decimal)
     except tomllib.TOMLDecodeError as err:
         raise ClusterError(f"{source}: not valid TOML ({err})") from None
     try:
-        return _parse(table)
+        return _mixed(table, base) if "group" in table else _parse(table)
     except ClusterError as err:
         raise ClusterError(f"{source}: {err}") from None
+
+
+def _mixed(table: dict, base: Path) -> MixedCluster:
+    """``name`` and ``[[group]]`` tables of ``cluster`` (a preset, or a file relative to ``base``) and ``nodes``."""
+    _check_keys(table, ("name", "group"), "", "a mixed cluster's top level")
+    if not isinstance(table["group"], list):
+        raise ClusterError(f"group = {_show(table['group'])}: expected [[group]] tables of cluster and nodes")
+    groups = []
+    for i, entry in enumerate(table["group"]):
+        _check_keys(entry, ("cluster", "nodes"), f"group[{i}].", "a [[group]]")
+        name = _value(entry, "cluster", f"group[{i}].", "str")
+        spec = load_cluster(name if name in PRESETS else base / name)
+        if isinstance(spec, MixedCluster):
+            raise ClusterError(f"group[{i}].cluster = {name!r} is a mixed cluster itself; name one kind of node")
+        groups.append(replace(spec, num_nodes=_value(entry, "nodes", f"group[{i}].", "int")))
+    return MixedCluster(_value(table, "name", "", "str"), tuple(groups))
 
 
 def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:

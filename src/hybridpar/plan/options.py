@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hybridpar.errors import GeometryError, PlanError
-from hybridpar.geometry import plan_exchange, split_bounds
+from hybridpar.geometry import Grid, plan_exchange, split_bounds
 from hybridpar.plan import cost, rules
 from hybridpar.plan.cluster import ClusterSpec
 from hybridpar.plan.graph import INPUT, Layer, ModelGraph
@@ -65,16 +65,17 @@ class MeshContext:
         return self.__dict__["_hash"]
 
 
-def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
-    """Refuse a spatial grid the runtime would refuse (an operation that mixes positions, a slab thinner than
-    its halo), naming the first layer that breaks: the same rules as ``hybridpar.spatial``."""
-    split = any(p > 1 for p in grid)
-    if not split:
+def check_grid(graph: ModelGraph, grid: tuple[int, ...] | Grid) -> None:
+    """Refuse a spatial grid (parts per dim, or a ``Grid`` with slab weights) the runtime would refuse (an
+    operation that mixes positions, a slab thinner than its halo), naming the first layer that breaks: the same
+    rules as ``hybridpar.spatial``."""
+    grid = grid if isinstance(grid, Grid) else Grid(tuple(grid))
+    if grid.size == 1:
         return
-    if graph.spatial_ndim != len(grid):
-        raise PlanError(f"spatial grid {grid} has {len(grid)} dims but the model's input {graph.input_shape} has "
-                        f"{graph.spatial_ndim} spatial dims")
-    refused = rules.first_refusal(graph.spatial_refusals, grid)
+    if graph.spatial_ndim != grid.ndim:
+        raise PlanError(f"spatial grid {grid.parts} has {grid.ndim} dims but the model's input {graph.input_shape} "
+                        f"has {graph.spatial_ndim} spatial dims")
+    refused = rules.first_refusal(graph.spatial_refusals, grid.parts)
     if refused:
         raise PlanError(refused)
     for layer in graph.layers:
@@ -82,31 +83,31 @@ def check_grid(graph: ModelGraph, grid: tuple[int, ...]) -> None:
             _check_layer_grid(layer, grid)
 
 
-def _check_layer_grid(layer: Layer, grid: tuple[int, ...]) -> None:
+def _check_layer_grid(layer: Layer, grid: Grid) -> None:
     where = f"layer {layer.name!r} ({layer.op})"
     out_spatial = layer.out_shape[2:] if layer.kind not in ("global_pool", "flatten") else layer.in_shape[2:]
-    for axis, parts in enumerate(grid[:len(out_spatial)]):
+    for axis, parts in enumerate(grid.parts[:len(out_spatial)]):
         rows = min(out_spatial[axis], layer.in_shape[2 + axis])
         if parts > 1 and rows < parts:
             raise PlanError(f"{where}: spatial dim {axis} has {rows} rows, fewer than its {parts} parts")
     for axis, window in enumerate(layer.windows):
-        if grid[axis] > 1:
-            _check_window(window, layer.in_shape[2 + axis], layer.out_shape[2 + axis], grid[axis], layer.boundary,
-                          axis, where)
+        if grid.parts[axis] > 1:
+            size = layer.in_shape[2 + axis]
+            _check_window(window, size, grid.bounds(axis, size), grid.bounds(axis, layer.out_shape[2 + axis]),
+                          layer.boundary, axis, where)
 
 
 @lru_cache(maxsize=65536)
-def _check_window(window, size: int, out_size: int, parts: int, boundary: str, axis: int, where: str) -> None:
+def _check_window(window, size: int, bounds: tuple, out_bounds: tuple, boundary: str, axis: int, where: str) -> None:
     """Every part's halo comes from its neighbours: the runtime's rule (``plan_exchange``), in closed form
     for zero padding."""
-    needs = tuple(window.need(*b) for b in split_bounds(out_size, parts))
+    needs, parts = tuple(window.need(*b) for b in out_bounds), len(bounds)
     if boundary != "zeros":
         try:
-            plan_exchange(axis=axis, size=size, parts=parts, needs=needs, boundary=boundary, part=0, where=where)
+            plan_exchange(axis=axis, size=size, bounds=bounds, needs=needs, boundary=boundary, part=0, where=where)
         except GeometryError as err:
             raise PlanError(str(err)) from None
         return
-    bounds = split_bounds(size, parts)
     for q, (start, stop) in enumerate(needs):
         lo = bounds[max(q - 1, 0)][0]
         hi = bounds[min(q + 1, parts - 1)][1]

@@ -30,6 +30,7 @@ class SearchResult:
     rejected: dict[str, str] = field(default_factory=dict)  # family of strategies -> why it lost or did not fit
     num_candidates: int = 0
     closest: str = ""  # when nothing fits: the candidate that came nearest to the memory limit
+    sized: tuple = ()  # on a mixed cluster: each plan's sizing (``mixed.Sized``: the even plan, speeds, work)
 
 
 def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchResult:

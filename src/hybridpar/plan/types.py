@@ -9,8 +9,10 @@ validation (``hybridpar.plan.validate``). ``layers`` names how each layer uses t
 - ``shard``: works on channel- or head-split activations as they come (pointwise, batch norm, pooling,
   attention heads).
 
-Layers not listed replicate. ``stages`` gives the first layer of each pipeline stage after the first, and
-``schedule`` how the stages run the micro-batches: ``gpipe`` (all forwards, then all backwards), ``1f1b``
+Layers not listed replicate. ``shares`` gives the samples of each data-parallel replica per step (uneven: a
+slower replica takes fewer) and ``slabs`` the weights of each spatial part's rows per spatial dim (a slower
+device holds a thinner slab); both empty: even. ``stages`` gives the first layer of each pipeline stage after the
+first, and ``schedule`` how the stages run the micro-batches: ``gpipe`` (all forwards, then all backwards), ``1f1b``
 (one forward, one backward: at most ``pp`` micro-batches in flight) or ``interleaved-1f1b`` (``v`` stages per
 pp rank, ``pp * v`` in all, which shrinks the bubble ``v`` times).
 """
@@ -21,7 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from hybridpar.dims import ParallelDims
-from hybridpar.errors import PlanError
+from hybridpar.errors import GeometryError, PlanError
+from hybridpar.geometry import Grid, even_weights
 
 SCHEMA_VERSION = 1
 TP_STRATEGIES = ("replicate", "column", "row", "shard")
@@ -46,9 +49,11 @@ class Prediction:
 class Plan:
     dp: int = 1
     spatial: tuple[int, ...] = (1,)
+    slabs: tuple[tuple[int, ...], ...] = ()  # per spatial dim, each part's weight (rows in proportion); () even
     tp: int = 1
     pp: int = 1
     global_batch: int = 1
+    shares: tuple[int, ...] = ()  # samples of each dp replica per step, summing to global_batch; () even
     micro_batches: int = 1
     sharding: int = 0  # ZeRO level over the dp x spatial ranks: 0 DDP, 1, 2, 3 FSDP
     checkpointing: bool = False
@@ -65,6 +70,10 @@ class Plan:
 
     def __post_init__(self):
         object.__setattr__(self, "spatial", tuple(self.spatial))
+        slabs = tuple(tuple(w) for w in self.slabs)
+        object.__setattr__(self, "slabs", () if all(even_weights(w) for w in slabs) else slabs)
+        shares = tuple(self.shares)
+        object.__setattr__(self, "shares", () if even_weights(shares) else shares)
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "layers", tuple(tuple(p) for p in self.layers))
         object.__setattr__(self, "input_shape", tuple(self.input_shape))
@@ -77,13 +86,52 @@ class Plan:
     def world_size(self) -> int:
         return self.dims.world_size
 
+    @property
+    def grid(self) -> Grid:
+        """The spatial grid with its slab weights (a ``PlanError`` where they do not fit ``spatial``)."""
+        try:
+            return Grid(self.spatial, self.slabs)
+        except GeometryError as err:
+            raise PlanError(f"plan slabs: {err}") from None
+
+    def check_uneven(self) -> None:
+        """Refuse ``shares`` and ``slabs`` that do not fit the plan's degrees and batch (a ``PlanError``): the rule
+        of the planner's ``validate`` and of ``hybridpar.parallelize`` alike."""
+        self.grid  # noqa: B018 (the slab weights are checked as the grid is built)
+        if not self.shares:
+            return
+        shares = list(self.shares)
+        if len(shares) != self.dp or sum(shares) != self.global_batch:
+            raise PlanError(f"shares = {shares}: give dp={self.dp} sample counts that sum to global_batch = "
+                            f"{self.global_batch}, or none for even shares")
+        if self.pp > 1:
+            raise PlanError(f"shares = {shares} with pp={self.pp}: uneven data-parallel shares are not run under "
+                            "pipeline stages (every replica's stages are shaped for one micro-batch size); drop "
+                            "shares, or give a slower device fewer layers with stages")
+
+    def batch_rows(self, replica: int) -> tuple[int, int]:
+        """``[start, stop)`` of data-parallel replica ``replica``'s samples in a step's global batch: ``shares``
+        in order, or equal parts."""
+        shares = self.shares or (self.global_batch // self.dp,) * self.dp
+        start = sum(shares[:replica])
+        return start, start + shares[replica]
+
+    def loss_weight(self, replica: int) -> float:
+        """What replica ``replica``'s mean loss is scaled by, so that the dp replicas' mean of gradients (DDP's,
+        FSDP's) is the global batch's mean: its share of the batch times ``dp`` (1 for even shares)."""
+        start, stop = self.batch_rows(replica)
+        return (stop - start) * self.dp / self.global_batch if self.shares else 1.0
+
     def strategy(self, layer: str) -> str:
         return dict(self.layers).get(layer, "replicate")
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}"]
+        if self.shares:
+            parts[0] += " shares " + _ratio(self.shares)
         if any(p > 1 for p in self.spatial):
             parts.append("spatial=" + "x".join(map(str, self.spatial)))
+            parts += [f"slabs[{axis}] " + _ratio(w) for axis, w in enumerate(self.slabs) if w]
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + (" sp" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -140,6 +188,17 @@ class Plan:
         return Plan.from_dict(data, where)
 
 
+def _ratio(values: tuple[int, ...]) -> str:
+    """``5:3``; a run of three or more alike as ``value*count`` (``1*16:3*16``)."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return ":".join(f"{v}*{n}" if n >= 3 else ":".join([str(v)] * n) for v, n in runs)
+
+
 def _unique_keys(pairs: list) -> dict:
     keys = [key for key, _ in pairs]
     duplicate = next((key for key in keys if keys.count(key) > 1), None)
@@ -169,28 +228,36 @@ def _prediction(data: dict, where: str) -> Prediction:
 
 
 FIELD_TYPES = {"dp": "count", "tp": "count", "pp": "count", "global_batch": "count", "micro_batches": "count",
-               "sharding": "int", "spatial": "counts", "input_shape": "counts", "checkpointing": "bool",
+               "sharding": "int", "spatial": "counts", "slabs": "count lists",
+               "shares": "counts", "input_shape": "counts", "checkpointing": "bool",
                "stages": "names", "schedule": "str", "layers": "pairs", "sequence_parallel": "bool",
                "optimizer": "str", "dtype": "str", "model": "str", "cluster": "str", "prediction": "object"}
+
+
+def _counts(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)
+
+
+FIELD_CHECKS = {
+    "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "counts": _counts,
+    "count lists": lambda v: isinstance(v, (list, tuple)) and all(_counts(w) for w in v),
+    "bool": lambda v: isinstance(v, bool),
+    "names": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+    "pairs": lambda v: all(isinstance(a, str) and isinstance(b, str) for a, b in v),
+    "str": lambda v: isinstance(v, str),
+    "object": lambda v: v is None or isinstance(v, dict),
+}
+EXPECTED = {"count": "a whole number >= 1", "int": "a whole number", "counts": "a list of whole numbers >= 1",
+            "count lists": "a list of lists of whole numbers >= 1", "bool": "true or false",
+            "names": "a list of layer names", "pairs": "an object mapping layer names to strategies",
+            "str": "a string", "object": "an object"}
 
 
 def _check_types(values: dict, where: str) -> None:
     """Each field of a plan read from JSON has the JSON type it needs, or a PlanError names it."""
     for key, value in values.items():
         kind = FIELD_TYPES[key]
-        ok = {
-            "count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-            "counts": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                     and x >= 1 for x in v),
-            "bool": lambda v: isinstance(v, bool),
-            "names": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
-            "pairs": lambda v: all(isinstance(a, str) and isinstance(b, str) for a, b in v),
-            "str": lambda v: isinstance(v, str),
-            "object": lambda v: v is None or isinstance(v, dict),
-        }[kind](value)
-        if not ok:
-            expected = {"count": "a whole number >= 1", "int": "a whole number", "counts": "a list of whole numbers "
-                        ">= 1", "bool": "true or false", "names": "a list of layer names", "pairs": "an object "
-                        "mapping layer names to strategies", "str": "a string", "object": "an object"}[kind]
-            raise PlanError(f"{where}: {key} = {json.dumps(value, default=str)}: expected {expected}")
+        if not FIELD_CHECKS[kind](value):
+            raise PlanError(f"{where}: {key} = {json.dumps(value, default=str)}: expected {EXPECTED[kind]}")

@@ -42,7 +42,8 @@ def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: Caches |
 def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_halo: bool = True) -> Plan:
     """``plan`` with its prediction, if it fits ``graph`` on ``cluster``; a ``PlanError`` naming what does not."""
     _check_degrees(plan, cluster)
-    check_grid(graph, plan.spatial if graph.spatial_ndim else ())
+    plan.check_uneven()
+    check_grid(graph, plan.grid if graph.spatial_ndim else ())
     for name, _ in plan.layers:
         graph.index_of(name)
     c = Constraints(global_batch=plan.global_batch, dtype=plan.dtype, optimizer=plan.optimizer,

@@ -35,11 +35,12 @@ class Point:
     samples_per_second: float | None
     efficiency: float | None  # relative to the family's baseline, 1.0 there
     reason: str = ""  # why there is no plan
+    even_step_time: float | None = None  # on a mixed cluster: the plan's step split evenly (before sizing)
 
     def to_dict(self) -> dict:
         return {"devices": self.devices, "family": self.family, "global_batch": self.global_batch,
                 "step_time": self.step_time, "samples_per_second": self.samples_per_second,
-                "efficiency": self.efficiency, "reason": self.reason,
+                "efficiency": self.efficiency, "reason": self.reason, "even_step_time": self.even_step_time,
                 "plan": self.plan.to_dict() if self.plan is not None else None}
 
 
@@ -124,7 +125,9 @@ def _point(graph, spec, n, name, global_batch, dtype, constraints) -> Point:
         reason = result.closest or result.rejected.get(name) or "no plan of this family fits"
         return Point(n, name, global_batch, None, None, None, None, reason)
     best = result.plans[0]
-    return Point(n, name, global_batch, best, best.prediction.step_time, best.prediction.samples_per_second, None)
+    even = result.sized[0].even.prediction.step_time if result.sized else None
+    return Point(n, name, global_batch, best, best.prediction.step_time, best.prediction.samples_per_second, None,
+                 even_step_time=even)
 
 
 def _with_efficiency(points: list[Point]) -> list[Point]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridpar.geometry import DimExchange, Window, plan_exchange, split_bounds
+from hybridpar.geometry import DimExchange, Window, plan_exchange
 from hybridpar.spatial.checks import PARTITIONED
 
 
@@ -57,7 +57,7 @@ def as_tuple(value, n: int) -> tuple:
 
 def out_slab(ctx, out_shape, axis: int) -> tuple[int, int]:
     """``[start, stop)`` of this rank's output rows along spatial dim ``axis``."""
-    return split_bounds(out_shape[2 + axis], ctx.grid.parts[axis])[ctx.coords[axis]]
+    return ctx.grid.bounds(axis, out_shape[2 + axis])[ctx.coords[axis]]
 
 
 def window_halos(ctx, where: str, in_shape, out_shape, windows: list[Window], boundary: str, native_pads) -> Halos:
@@ -67,14 +67,14 @@ def window_halos(ctx, where: str, in_shape, out_shape, windows: list[Window], bo
     exchanges, native = [], []
     for axis, window in enumerate(windows):
         size, parts, m = in_shape[2 + axis], ctx.grid.parts[axis], out_shape[2 + axis]
-        needs = tuple(window.need(*b) for b in split_bounds(m, parts))
+        needs = tuple(window.need(*b) for b in ctx.grid.bounds(axis, m))
         pad = native_pads[axis]
         if parts == 1 and pad is not None and needs[0][0] == -pad and needs[0][1] <= size + pad:
             exchanges.append(None)
             native.append(pad)
             continue
         ex = plan_exchange(
-            axis=axis, size=size, parts=parts, needs=needs, boundary=boundary,
+            axis=axis, size=size, bounds=ctx.grid.bounds(axis, size), needs=needs, boundary=boundary,
             part=ctx.coords[axis], where=where,
         )
         exchanges.append(None if ex.is_identity else ex)

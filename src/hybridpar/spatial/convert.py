@@ -257,13 +257,14 @@ def parallelize(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    grid: tuple[int, ...],
+    grid: tuple[int, ...] | Grid,
     batch_norm_mesh: DeviceMesh | None = None,
     overlap: bool | None = None,
 ) -> nn.Module:
     """Convert ``module`` in place so that each rank of the 1-D ``mesh`` computes its slab exactly.
 
-    ``grid`` gives parts per spatial dim (row-major over the mesh). Batch-norm statistics are
+    ``grid`` gives parts per spatial dim (row-major over the mesh), or is a ``Grid`` whose slab weights
+    size the slabs unevenly (a slower device gets fewer rows). Batch-norm statistics are
     summed over ``batch_norm_mesh`` (default: ``mesh``); pass a mesh spanning data parallelism
     too to normalise over the global batch. ``overlap`` makes convolutions compute their interior
     while the halo is in flight (``None``: where it pays, see ``SpatialContext.use_overlap``).
@@ -289,7 +290,7 @@ def exchange_stats(module: nn.Module) -> ExchangeStats:
 
 
 def _comm(mesh: DeviceMesh, grid) -> SpatialComm:
-    grid_ = Grid(tuple(grid))
+    grid_ = grid if isinstance(grid, Grid) else Grid(tuple(grid))
     if mesh.ndim != 1:
         raise MeshError(f"spatial mesh has {mesh.ndim} axes {mesh.mesh_dim_names}; pass its 1-D spatial sub-mesh")
     if mesh.size() != grid_.size:
@@ -297,7 +298,7 @@ def _comm(mesh: DeviceMesh, grid) -> SpatialComm:
     return SpatialComm.from_group(mesh.get_group(), grid_)
 
 
-def shard(x: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...]) -> torch.Tensor:
+def shard(x: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...] | Grid) -> torch.Tensor:
     """This rank's slab of a global ``(N, C, *spatial)`` tensor (a copy)."""
     comm = _comm(mesh, grid)
     comm.grid.check_shape(tuple(x.shape[2:]), "shard")
@@ -306,7 +307,7 @@ def shard(x: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...]) -> torch.
     return x.clone()
 
 
-def unshard(x_local: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...]) -> torch.Tensor:
+def unshard(x_local: torch.Tensor, mesh: DeviceMesh, *, grid: tuple[int, ...] | Grid) -> torch.Tensor:
     """The global tensor on every rank, from each rank's slab (differentiable)."""
     comm = _comm(mesh, grid)
     shape = global_shape(x_local, comm, "unshard")

@@ -10,6 +10,7 @@ Only this module and ``collectives`` talk to ``torch.distributed``; layers call 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,14 +21,18 @@ from hybridpar.geometry import DimExchange, Grid
 
 @dataclass
 class ExchangeStats:
-    """Bytes this rank sent in halo exchanges (forward and backward), for benchmarks and tests."""
+    """Bytes this rank sent in halo exchanges (forward and backward), for benchmarks and tests, and the seconds
+    it waited for halos (the time a slower neighbour costs it: ``hybridpar.train.pace`` leaves it out of the
+    rank's compute time)."""
 
     bytes_sent: int = 0
     messages: int = 0
+    wait_s: float = 0.0
 
     def reset(self) -> None:
         self.bytes_sent = 0
         self.messages = 0
+        self.wait_s = 0.0
 
 
 @dataclass
@@ -79,9 +84,11 @@ def _post(comm: SpatialComm, axis: int, sends, recvs) -> list:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _wait(requests) -> None:
+def _wait(requests, comm: SpatialComm) -> None:
+    begin = time.perf_counter()
     for req in requests:
         req.wait()
+    comm.stats.wait_s += time.perf_counter() - begin
 
 
 def _shape_with(x: torch.Tensor, dim: int, length: int) -> list[int]:
@@ -107,7 +114,7 @@ def _return_halo_grads(ex: DimExchange, comm: SpatialComm, dim: int, grad_x: tor
     rows this part sent and add them into ``grad_x`` (this part's slab gradient)."""
     sends = [(ex.pieces[tag].owner, g.contiguous(), tag) for tag, g in halo_grads.items()]
     recvs = [(part, grad_x.new_empty(_shape_with(grad_x, dim, len(idx))), tag) for part, idx, tag in ex.sends]
-    _wait(_post(comm, ex.axis, sends, recvs))
+    _wait(_post(comm, ex.axis, sends, recvs), comm)
     for (_, idx, _), (_, buf, _) in zip(ex.sends, recvs):
         _add_rows(grad_x, dim, idx, ex.lo, buf)
     return grad_x
@@ -132,7 +139,7 @@ class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ex: DimExchange, comm: SpatialComm, dim: int, fill: float):
         requests, halos = _post_forward(x, ex, comm, dim)
-        _wait(requests)
+        _wait(requests, comm)
         out = _pieces(x, ex, dim, fill, halos)
         ctx.ex, ctx.comm, ctx.dim, ctx.shape = ex, comm, dim, x.shape
         return torch.cat(out, dim) if len(out) > 1 else out[0].clone()
@@ -178,25 +185,25 @@ class _HaloWait(torch.autograd.Function):
     """Forward: wait for the requests of ``_HaloStart``; the halos pass through. Backward: identity."""
 
     @staticmethod
-    def forward(ctx, pending: list, *halos):
-        _wait(pending)
+    def forward(ctx, pending: list, comm: SpatialComm, *halos):
+        _wait(pending, comm)
         return tuple(h.clone() for h in halos)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 class PendingHalo:
     """An exchange in flight: ``start`` posts it, ``pieces`` waits and gives the assembled pieces."""
 
     def __init__(self, x, ex: DimExchange, comm: SpatialComm, dim: int, fill: float):
-        self.x, self.ex, self.dim, self.fill = x, ex, dim, fill
+        self.x, self.ex, self.comm, self.dim, self.fill = x, ex, comm, dim, fill
         self._requests: list = []
         self._halos = _HaloStart.apply(x, ex, comm, dim, self._requests)
 
     def pieces(self) -> list[torch.Tensor]:
-        halos = _HaloWait.apply(self._requests, *self._halos)
+        halos = _HaloWait.apply(self._requests, self.comm, *self._halos)
         tags = [t for t, p in enumerate(self.ex.pieces) if _is_remote(p, self.ex)]
         return _pieces(self.x, self.ex, self.dim, self.fill, dict(zip(tags, halos)))
 
@@ -236,7 +243,7 @@ class _HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ex: DimExchange, comm: SpatialComm, dim: int, args: tuple):
         requests, halos = _post_forward(x, ex, comm, dim)
-        _wait(requests)
+        _wait(requests, comm)
         stride, padding, dilation, groups = args
         zeros = [0] * len(stride)
         y = torch.ops.aten.convolution(torch.cat(_pieces(x, ex, dim, 0.0, halos), dim), weight, bias,

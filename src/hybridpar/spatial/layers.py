@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridpar.errors import UnsupportedModuleError
-from hybridpar.geometry import DimExchange, plan_exchange, split_bounds
+from hybridpar.geometry import DimExchange, plan_exchange
 from hybridpar.plan import rules
 from hybridpar.spatial import collectives
 from hybridpar.spatial.base import Halos, SpatialLayer, Statistics, as_tuple, out_slab
@@ -97,9 +97,9 @@ class SpatialUpsample(SpatialLayer):
         for axis in range(n):
             rows = self._source_rows(in_shape[2 + axis], out_shape[2 + axis], scales[axis])
             needs = tuple((int(rows[0][o0:o1].min()), int(rows[1][o0:o1].max()) + 1)
-                          for o0, o1 in split_bounds(out_shape[2 + axis], ctx.grid.parts[axis]))
-            ex = plan_exchange(axis=axis, size=in_shape[2 + axis], parts=ctx.grid.parts[axis], needs=needs,
-                               boundary="zeros", part=ctx.coords[axis], where=where)
+                          for o0, o1 in ctx.grid.bounds(axis, out_shape[2 + axis]))
+            ex = plan_exchange(axis=axis, size=in_shape[2 + axis], bounds=ctx.grid.bounds(axis, in_shape[2 + axis]),
+                               needs=needs, boundary="zeros", part=ctx.coords[axis], where=where)
             o0, o1 = out_slab(ctx, out_shape, axis)
             start = needs[ctx.coords[axis]][0]
             exchanges.append(None if ex.is_identity else ex)

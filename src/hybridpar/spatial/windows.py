@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridpar.geometry import DimExchange, TransposedWindow, Window, plan_exchange, split_bounds
+from hybridpar.geometry import DimExchange, TransposedWindow, Window, plan_exchange
 from hybridpar.spatial.base import Halos, SpatialLayer, as_tuple, out_slab, window_halos
 from hybridpar.spatial.halo import PendingHalo, assemble, halo_conv, rows_of
 
@@ -117,12 +117,12 @@ class SpatialConvTranspose(SpatialLayer):
         where = ctx.where(self)
         exchanges, crops = [], []
         for axis in range(len(self.kernel_size)):
-            size, parts = in_shape[2 + axis], ctx.grid.parts[axis]
+            size = in_shape[2 + axis]
             window = TransposedWindow(
                 self.kernel_size[axis], self.stride[axis], self.padding[axis], self.dilation[axis], size
             )
-            needs = tuple(_nonempty(window.need(*b), size) for b in split_bounds(out_shape[2 + axis], parts))
-            ex = plan_exchange(axis=axis, size=size, parts=parts, needs=needs, boundary="zeros",
+            needs = tuple(_nonempty(window.need(*b), size) for b in ctx.grid.bounds(axis, out_shape[2 + axis]))
+            ex = plan_exchange(axis=axis, size=size, bounds=ctx.grid.bounds(axis, size), needs=needs, boundary="zeros",
                                part=ctx.coords[axis], where=where)
             o0, o1 = out_slab(ctx, out_shape, axis)
             exchanges.append(None if ex.is_identity else ex)

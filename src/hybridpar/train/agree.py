@@ -86,9 +86,9 @@ def gather(value) -> list:
     return out
 
 
-def mean_over_dp(mesh, value: torch.Tensor) -> float:
-    """The mean of a scalar over the data-parallel replicas of ``mesh`` (every replica's loss: the global
-    batch's, for equal replica batches)."""
-    value = value.detach().clone().double()
+def mean_over_dp(mesh, value: torch.Tensor, weight: float = 1.0) -> float:
+    """The mean of a scalar over the data-parallel replicas of ``mesh``, each replica's scaled by its ``weight``
+    (``ParallelModel.loss_weight``): of every replica's mean loss, the global batch's."""
+    value = value.detach().clone().double() * weight
     dist.all_reduce(value, group=mesh["dp"].get_group())
     return float(value) / mesh["dp"].size()

@@ -74,6 +74,11 @@ class TrainConfig:
     loss: str = ""  # "" takes the model's default: mse (cosmoflow), cross_entropy+dice (unet3d)
     log_every: int = 10
     non_finite: str = "stop"  # a NaN or infinite loss: stop the run, or skip that step's update
+    # fail-slow detection (hybridpar.train.pace): a rank whose compute per unit of work is slow_factor times its
+    # peers' median in two windows of slow_window steps in a row is reported; with rebalance, given less work
+    slow_factor: float = 1.5
+    slow_window: int = 5
+    rebalance: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ CHOICES = {
     "train.non_finite": ("stop", "skip"),
     "train.loss": ("", "mse", "cross_entropy", "dice", "cross_entropy+dice"), "model.name": MODEL_NAMES,
 }
-POSITIVE = {"mesh.dp", "train.batch_size", "checkpoint.keep", "train.log_every"}
+POSITIVE = {"mesh.dp", "train.batch_size", "checkpoint.keep", "train.log_every", "train.slow_window"}
 NON_NEGATIVE = {"data.crop", "data.crops_per_file", "data.prefetch", "train.steps", "train.epochs",
                 "schedule.warmup_steps", "validation.every", "validation.batch_size", "validation.max_samples",
                 "checkpoint.every", "optimizer.weight_decay", "schedule.min_lr"}
@@ -169,6 +174,9 @@ def _check_value(key: str, value) -> None:
         raise ConfigError(f"{key} = {value!r}: must not be negative")
     if key in GREATER_THAN_ZERO and not value > 0:
         raise ConfigError(f"{key} = {value!r}: must be greater than 0")
+    if key == "train.slow_factor" and not value > 1:
+        raise ConfigError(f"{key} = {value!r}: must be greater than 1 (a rank that many times slower than its "
+                          "peers is reported), e.g. 1.5")
     if key in FRACTIONS and not 0 <= value < 1:
         raise ConfigError(f"{key} = {value!r}: must be in [0, 1), e.g. 0.9")
     if key == "optimizer.betas":

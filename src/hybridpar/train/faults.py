@@ -4,7 +4,10 @@
 - ``kill``: the rank kills itself (SIGKILL) during step ``STEP`` (1-based), after its backward pass and before
   the update, as a crashed node would;
 - ``nan``: the rank's loss of step ``STEP`` becomes NaN;
-- ``inf``: one of the rank's weights becomes infinite after the update of step ``STEP`` (silent corruption).
+- ``inf``: one of the rank's weights becomes infinite after the update of step ``STEP`` (silent corruption);
+- ``slow``: from step ``STEP`` on, the rank computes at about half speed (a throttled device, a noisy
+  neighbour): its forward keeps the CPU busy as long again as it computed, its backward twice that;
+  ``slow:RANK@STEPxF`` makes it ``F`` times slower.
 
 The ``i``-th fault of the list fires in restart attempt ``i`` of the elastic agent (``TORCHELASTIC_RESTART_COUNT``),
 so a run restarted after a kill meets the next fault of the list, not the same one again.
@@ -16,6 +19,7 @@ import functools
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from hybridpar.errors import ConfigError
 
 ENV = "HYBRIDPAR_FAULTS"
-KINDS = ("kill", "nan", "inf")
-_ENTRY = re.compile(r"^(\w+):(\d+)@(\d+)$")
+KINDS = ("kill", "nan", "inf", "slow")
+_ENTRY = re.compile(r"^(\w+):(\d+)@(\d+)(?:x(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class Fault:
     kind: str
     rank: int
     step: int
+    factor: int = 2  # how many times slower a ``slow`` rank computes
 
 
 def planned() -> tuple[Fault, ...]:
@@ -46,20 +51,28 @@ def _parse(text: str) -> tuple[Fault, ...]:
     faults = []
     for entry in filter(None, re.split(r"[,\s]+", text.strip())):
         match = _ENTRY.match(entry)
-        if not match or match.group(1) not in KINDS:
-            raise ConfigError(f"{ENV}: {entry!r} is not KIND:RANK@STEP with KIND one of {', '.join(KINDS)}; "
-                              "e.g. kill:3@5 (rank 3 dies during step 5)")
-        faults.append(Fault(match.group(1), int(match.group(2)), int(match.group(3))))
+        factor = match.group(4) if match else None
+        if not match or match.group(1) not in KINDS or (factor is not None and (match.group(1) != "slow"
+                                                                                or int(factor) < 2)):
+            raise ConfigError(f"{ENV}: {entry!r} is not KIND:RANK@STEP with KIND one of {', '.join(KINDS)} (or "
+                              "slow:RANK@STEPxF, F >= 2); e.g. kill:3@5 (rank 3 dies during step 5)")
+        faults.append(Fault(match.group(1), int(match.group(2)), int(match.group(3)), int(factor or 2)))
     return tuple(faults)
+
+
+def _mine() -> Fault | None:
+    """The fault planned for this rank in this attempt, if any."""
+    faults = planned()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(faults) or faults[attempt].rank != dist.get_rank():
+        return None
+    return faults[attempt]
 
 
 def _due(step: int) -> str | None:
     """The kind of fault planned for this rank at ``step`` in this attempt, if any."""
-    faults = planned()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt >= len(faults) or (faults[attempt].rank, faults[attempt].step) != (dist.get_rank(), step):
-        return None
-    return faults[attempt].kind
+    fault = _mine()
+    return fault.kind if fault is not None and fault.step == step else None
 
 
 def after_backward(step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -76,3 +89,58 @@ def after_update(step: int, parameters) -> None:
         with torch.no_grad():
             weight = next(iter(parameters))
             (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = float("inf")
+
+
+class Slowdown:
+    """A ``slow`` fault on this rank's modules: from its step on (``at``, set before each step), each forward keeps
+    the CPU busy ``factor - 1`` times as long as it computed, and the backward of its output twice that (a backward
+    costs about two forwards)."""
+
+    def __init__(self, first: int, factor: int, modules):
+        self.first, self.extra, self.step, self._begin = first, factor - 1, 0, 0.0
+        for module in modules:
+            inner = getattr(module, "module", module)  # under DDP, the module itself
+            inner.register_forward_pre_hook(self._before)
+            inner.register_forward_hook(self._after)
+
+    def at(self, step: int) -> None:
+        self.step = step
+
+    def _before(self, module, args) -> None:
+        self._begin = time.perf_counter()
+
+    def _after(self, module, args, output):
+        if self.step < self.first:
+            return None
+        extra = (time.perf_counter() - self._begin) * self.extra
+        _busy(extra)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return _BusyInBackward.apply(output, 2 * extra)
+        return None
+
+
+class _BusyInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds: float):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _busy(ctx.seconds)
+        return grad, None
+
+
+def _busy(seconds: float) -> None:
+    """Keep the CPU busy for ``seconds`` (a slow device takes longer and holds its core: it does not sleep)."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def slowdown(parallel) -> Slowdown | None:
+    """The ``slow`` fault planned for this rank in this attempt, hooked onto its modules (``None``: none)."""
+    fault = _mine()
+    if fault is None or fault.kind != "slow":
+        return None
+    return Slowdown(fault.step, fault.factor, parallel.modules.values())

@@ -1,5 +1,6 @@
 """Metrics of a run, written by rank 0: one JSON object per line in ``metrics.jsonl`` (and TensorBoard
-scalars when asked for: ``check_tensorboard`` says up front when the package is missing)."""
+scalars when asked for: ``check_tensorboard`` says up front when the package is missing); the ranks' step
+timing (``hybridpar.train.pace``) in ``pace.jsonl`` the same way."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """``log(record)`` appends ``record`` (a dict with ``step`` and ``split``) to the JSONL file."""
+    """``log(record)`` appends ``record`` (a dict with ``step`` and ``split``) to the JSONL file ``name``."""
 
-    def __init__(self, run_dir: Path, *, jsonl: bool, tensorboard: bool, resume_step: int | None):
-        self.path = run_dir / "metrics.jsonl" if jsonl else None
+    def __init__(self, run_dir: Path, *, jsonl: bool, tensorboard: bool, resume_step: int | None,
+                 name: str = "metrics.jsonl"):
+        self.path = run_dir / name if jsonl else None
         if self.path is not None:
             self._start(resume_step)
         self.writer = _tensorboard(run_dir) if tensorboard else None

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch.nn as nn
 
 from hybridpar.errors import ClusterError, ConfigError, MeshError, PlanError
-from hybridpar.plan import Plan, check_grid, cluster_of
+from hybridpar.plan import Plan, check_grid, cluster_of, sizing
 from hybridpar.plan import plan as search_best
 from hybridpar.plan.analysis import graph_of
 from hybridpar.plan.cluster import GiB
@@ -57,6 +57,25 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int, r
     return plan
 
 
+def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, ...], allowed=lambda p: True) -> Plan:
+    """``plan`` with its work sized to the ranks' measured ``speeds`` (``plan.sizing.sized``), among the uneven
+    splits ``allowed`` that ``hybridpar.parallelize`` runs on ``model`` (on the meta device)."""
+    from hybridpar.parallel.plan_check import check_plan
+
+    graph = graph_of(model, example_input, plan.dtype)
+
+    def runs(candidate: Plan) -> bool:
+        if not allowed(candidate):
+            return False
+        try:
+            check_plan(model, candidate, example_input, graph)
+        except PlanError:
+            return False
+        return True
+
+    return sizing.sized(plan, speeds, runs)
+
+
 def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int, rescale: bool = False) -> Plan:
     """The plan of the ``[mesh]`` section: ``dp x spatial`` (a GPT: ``dp``), DDP or FSDP."""
     mesh = config.mesh
@@ -89,7 +108,7 @@ def rescaled(plan: Plan, world_size: int, where: str) -> Plan:
                         f"other than dp ({per_replica} processes per replica, batch {plan.global_batch}); run on a "
                         f"multiple of {per_replica} that splits the batch, or plan for {world_size} (plan = \"auto\" "
                         "with cluster, or a plan file)")
-    return replace(plan, dp=dp)
+    return replace(plan, dp=dp, shares=())  # shares sized for the replicas of before
 
 
 def _cluster(config: Config, world_size: int):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from hybridpar.errors import ConfigError
 from hybridpar.plan import Plan
 from hybridpar.plan.cost import optimizer_state_bytes
-from hybridpar.train import checkpoint_dir, faults, finite, planning, recovery
+from hybridpar.train import balance, checkpoint_dir, faults, finite, pace, planning, recovery
 from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
 from hybridpar.train.config import Config
 from hybridpar.train.metrics import MetricsLog, check_tensorboard
@@ -59,6 +59,8 @@ class Run:
     parallel: object  # hybridpar.ParallelModel
     optimizer: torch.optim.Optimizer
     cadence: checkpoint_dir.Cadence
+    pace: pace.Pace
+    slowdown: faults.Slowdown | None = None
 
     @property
     def total_steps(self) -> int:
@@ -79,14 +81,17 @@ def check(config: Config, world_size: int, rescale: bool = False) -> int:
         task.close()
 
 
-def setup(config: Config, task: Task, plan: Plan) -> Run:
-    """The mesh, the parallel model, its optimizer and the task's data, for a checked task and its plan."""
+def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | None = None) -> Run:
+    """The mesh, the parallel model, its optimizer and the task's data, for a checked task and its plan (sized for
+    the ranks' ``speeds``: ``pace.Pace``)."""
     parallel = task.setup(plan, agreed_mesh(config, plan))
     local = sum(p.numel() * p.element_size() for p in (q.to_local() if isinstance(q, DTensor) else q
                                                          for q in parallel.parameters()))
     cadence = checkpoint_dir.Cadence(config, dist.get_world_size(),
                                      local + optimizer_state_bytes(local, config.optimizer.name))
-    return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence)
+    slowdown = faults.slowdown(parallel)  # before the timing's hooks: a slowed rank's forward is timed slow
+    return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
+               pace.Pace(config, plan, parallel, speeds), slowdown)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
@@ -98,13 +103,15 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + run.task.seed_offset())  # this step's dropout masks
+    if run.slowdown is not None:
+        run.slowdown.at(step + 1)
     run.optimizer.zero_grad(set_to_none=True)
     loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
     updated, signal, timed = finite.update_allowed(cfg, step + 1, loss, signal, run.cadence.timed())
     if updated:
         run.optimizer.step()
         faults.after_update(step + 1, run.parallel.parameters())
-    return mean_over_dp(run.parallel.mesh, loss), lr, updated, signal, timed
+    return mean_over_dp(run.parallel.mesh, loss, run.parallel.loss_weight), lr, updated, signal, timed
 
 
 def _announce(run: Run, log: MetricsLog, start: int, restarted: bool, planned: int | None) -> None:
@@ -126,12 +133,30 @@ def _announce(run: Run, log: MetricsLog, start: int, restarted: bool, planned: i
         log.log({"step": start, "split": "replan", "plan": run.plan.describe(), "reason": reason})
 
 
-def _step(run: Run, step: int, x, y, signal: int, log: MetricsLog, shown, summary: dict) -> int:
+@dataclass
+class _Loop:
+    """What the training loop carries from plan to plan: where rank 0 writes the records (``metrics.jsonl``; the
+    timing in ``pace.jsonl``) and shows its progress, the summary the run returns, the rebalancing."""
+
+    log: MetricsLog
+    pace: MetricsLog
+    shown: object
+    summary: dict
+    balancer: balance.Balancer
+
+
+def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, object]:
     """Step ``step`` with its record, checkpoint and validation where due; returns the agreed stop signal (a
-    checkpoint is then due, and no validation)."""
-    config, stop = run.config, summary["steps"]
+    checkpoint is then due, and no validation) and, at the end of a window of steps, what the timing found
+    (``pace.Window``)."""
+    config, log, shown, summary = run.config, out.log, out.shown, out.summary
+    stop = summary["steps"]
+    run.pace.begin()
     loss, lr, updated, signal, timed = train_step(run, step, x, y, signal)
     done = step + 1
+    window = run.pace.end(done)
+    if window is not None:
+        _report(window, out)
     record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
     if not updated:
         record["skipped"] = True
@@ -140,17 +165,67 @@ def _step(run: Run, step: int, x, y, signal: int, log: MetricsLog, shown, summar
     summary["loss"] = loss
     # the checkpoint first: a validation file that fails to read then loses no training
     if run.cadence.due(done, stop, run.total_steps, timed) or signal:
-        finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
-        begin = time.monotonic()
-        summary["checkpoint"] = str(checkpoint_dir.save(Path(config.run_dir) / "checkpoints", done, run.parallel,
-                                                        run.optimizer, keep=config.checkpoint.keep))
-        run.cadence.saved(time.monotonic() - begin, run.parallel.device)
+        _save(run, done, summary)
     if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps) \
             and not signal:
         summary["val"] = run.task.validate()
         log.log({"step": done, "split": "val", **summary["val"]})
         shown.validated(done, summary["val"])
-    return signal
+    return signal, window
+
+
+def _save(run: Run, done: int, summary: dict) -> None:
+    """The checkpoint of step ``done`` (never of weights that are not finite), its time kept for Young/Daly."""
+    config = run.config
+    finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
+    begin = time.monotonic()
+    summary["checkpoint"] = str(checkpoint_dir.save(Path(config.run_dir) / "checkpoints", done, run.parallel,
+                                                    run.optimizer, keep=config.checkpoint.keep))
+    run.cadence.saved(time.monotonic() - begin, run.parallel.device)
+
+
+def _report(window: pace.Window, out: _Loop) -> None:
+    """A window's timing in ``pace.jsonl``; a rank found slow in the metrics and on screen (rank 0)."""
+    out.pace.log(window.record())
+    for rank, factor in window.slow.items():
+        if dist.get_rank() == 0:
+            logger.warning(f"rank {rank} is slow: its forward takes {factor:.2f}x its peers' per unit of work "
+                           f"(steps to {window.step}); train.rebalance = true (hybridpar train --rebalance) gives "
+                           "it less work")
+        out.log.log({"step": window.step, "split": "slow", "rank": rank, "factor": factor})
+
+
+def _train_until(run: Run, start: int, stop: int, stopping, out: _Loop):
+    """Steps from ``start``; returns ``(step reached, stop signal, re-plan)``: after a stop signal, at a window
+    that asks for a new plan (``balance.Balancer``), or at ``stop``."""
+    for step, x, y in _batches(run, start, stop):
+        signal, window = _step(run, step, x, y, stopping.signal, out)
+        if signal:
+            return step + 1, signal, None
+        if window is not None and out.balancer.wants(window):
+            decided = out.balancer.decide(run.plan, run.pace.speeds, window, run.task.analysed)
+            if isinstance(decided, balance.Replan):
+                return step + 1, 0, decided
+            if dist.get_rank() == 0:
+                logger.warning(decided)
+    return stop, 0, None
+
+
+def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
+    """The run re-planned after step ``done`` (``replan``): its state saved (a checkpoint of step ``done``) and
+    loaded into the new plan's model, in the same processes."""
+    directory = Path(run.config.run_dir) / "checkpoints"
+    found = checkpoint_dir.checkpoints(directory)
+    if not found or found[-1][0] != done:  # not saved at this step already
+        _save(run, done, out.summary)
+    run.pace.close()
+    new = setup(run.config, run.task, replan.plan, replan.speeds)
+    checkpoint_dir.resume(directory, new.parallel, new.optimizer)
+    out.summary["mesh"] = replan.plan.describe()
+    if dist.get_rank() == 0:
+        logger.warning(f"re-planned at step {done}: {replan.plan.describe()} ({replan.reason})")
+    out.log.log({"step": done, "split": "replan", "plan": replan.plan.describe(), "reason": replan.reason})
+    return new
 
 
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
@@ -227,19 +302,26 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
         if config.plan:  # a plan searched or read: kept beside the run ([mesh]'s is the config itself)
             (run_dir / "plan.json").write_text(run.plan.to_json() + "\n")
             logger.info(planning.describe(config, run.plan, str(run_dir / "plan.json")))
+    resume_step = start if resume_from or restarted else None
     log = MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=config.metrics.tensorboard and
-                     is_root, resume_step=start if resume_from or restarted else None)
+                     is_root, resume_step=resume_step)
     _announce(run, log, start, restarted, planned)
     summary = {"start_step": start, "steps": stop, "total_steps": run.total_steps, "val": None,
                "mesh": run.plan.describe()}
     begin = time.perf_counter()
     shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
+    out = _Loop(log, MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=False,
+                                resume_step=resume_step, name="pace.jsonl"), shown, summary,
+                balance.Balancer(config.train.rebalance))
     with shown, recovery.Stopping() as stopping:
-        for step, x, y in _batches(run, start, stop):
-            signal = _step(run, step, x, y, stopping.signal, log, shown, summary)
+        step = start
+        while step < stop:
+            step, signal, replan = _train_until(run, step, stop, stopping, out)
             if signal:  # SIGTERM or SIGINT on some rank: stopped after this step, with a checkpoint
-                summary.update(steps=step + 1, signal=signal)
+                summary.update(steps=step, signal=signal)
                 break
+            if replan is not None:
+                run = _replanned(run, step, replan, out)
     summary["time_s"] = time.perf_counter() - begin
     summary.update(run.task.finish())
     log.close()

@@ -26,6 +26,7 @@ class Task(Protocol):
         ``total_steps``."""
 
     total_steps: int  # of the whole run
+    analysed: tuple  # (the model on the meta device, one step's example input) the plan is checked on
 
     def setup(self, plan: Plan, mesh) -> object:
         """The parallel model (``hybridpar.ParallelModel``) of the model built from the seed; the data on

@@ -35,6 +35,7 @@ class Tokens:
             model = build_model(self.config)
         example = torch.zeros(self.config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
         self.total_steps = self.config.train.steps
+        self.analysed = (model, example)  # what the plan was checked on: a rebalanced plan is too
         return planning.plan_for(self.config, model, example, world_size, rescale)
 
     def setup(self, plan: Plan, mesh):
@@ -49,9 +50,8 @@ class Tokens:
         return []
 
     def _replica_rows(self, batch: tuple[torch.Tensor, torch.Tensor]):
-        per = self.plan.global_batch // self.plan.dp
-        replica = self.parallel.mesh["dp"].get_local_rank()
-        return tuple(t[replica * per:(replica + 1) * per] for t in batch)
+        start, stop = self.plan.batch_rows(self.parallel.mesh["dp"].get_local_rank())
+        return tuple(t[start:stop] for t in batch)
 
     def batches(self, start: int, stop: int):
         for step in range(start, stop):
@@ -71,7 +71,7 @@ class Tokens:
         total = 0.0
         for i in range(batches):
             x, y = self._replica_rows(self.stream.batch(i, global_batch, "val"))
-            total += mean_over_dp(self.parallel.mesh, self.parallel.eval_loss(x, y))
+            total += mean_over_dp(self.parallel.mesh, self.parallel.eval_loss(x, y), self.parallel.loss_weight)
         return {"loss": total / batches, "best_possible": self.stream.entropy}
 
     def finish(self) -> dict:

@@ -18,7 +18,6 @@ from hybridpar import spatial
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
 from hybridpar.data.loader import steps_per_epoch
 from hybridpar.errors import ConfigError
-from hybridpar.geometry import Grid
 from hybridpar.mesh import flat_group
 from hybridpar.parallel.apply import parallelize
 from hybridpar.plan import Plan
@@ -118,8 +117,9 @@ class Volumes:
         with torch.device("meta"):
             model = build_model(config, self.train_set).to(dtype)
         example = torch.empty(config.train.batch_size, *self.train_set.sample_shape, device="meta")
+        self.analysed = (model, example)  # what the plan was checked on: a rebalanced plan is too
         plan = planning.plan_for(config, model, example, world_size, rescale)
-        Grid(plan.spatial).check_shape(self.train_set.sample_shape[1:], "mesh.spatial")
+        plan.grid.check_shape(self.train_set.sample_shape[1:], "mesh.spatial")
         self.total_steps = config.train.steps or config.train.epochs * steps_per_epoch(
             len(self.train_set), config.train.batch_size, plan.dp)
         return plan
@@ -131,9 +131,10 @@ class Volumes:
         self.parallel = parallelize(model, plan, mesh, loss_fn=partial(loss_fn, self.loss_name, mesh["spatial"]),
                                     example_input=torch.empty(plan.input_shape, device="meta"),
                                     batch_norm=config.mesh.batch_norm)
-        self.loader = SlabLoader(self.train_set, batch_size=config.train.batch_size, dp=self._dp,
-                                 grid=Grid(plan.spatial), spatial_rank=mesh["spatial"].get_local_rank(),
-                                 seed=config.seed, prefetch=config.data.prefetch)
+        self.loader = SlabLoader(self.train_set, batch_size=config.train.batch_size, dp=plan.dp,
+                                 rows=plan.batch_rows(mesh["dp"].get_local_rank()), grid=plan.grid,
+                                 spatial_rank=mesh["spatial"].get_local_rank(), seed=config.seed,
+                                 prefetch=config.data.prefetch)
         check_same_data([d for d in (self.train_set, self.val_set) if d is not None])
         return self.parallel
 
@@ -172,7 +173,7 @@ class Volumes:
         limit = self.config.validation.max_samples
         sums = 0
         spatial_rank = self.mesh["spatial"].get_local_rank()
-        batches = eval_batches(self.val_set, batch_size=batch, dp=self._dp, grid=Grid(self.plan.spatial),
+        batches = eval_batches(self.val_set, batch_size=batch, dp=self._dp, grid=self.plan.grid,
                                spatial_rank=spatial_rank, limit=limit)
         for x, y, num_valid in agreed(batches, self.parallel.device):
             out, y = self.parallel.predict(x)[:num_valid].double(), y[:num_valid].to(self.parallel.device)

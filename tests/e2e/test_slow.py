@@ -1,0 +1,47 @@
+"""A rank that runs slowly (``HYBRIDPAR_FAULTS="slow:RANK@STEPxF"``): found and named by the step timing, and with
+``--rebalance`` given less work (uneven slabs or batch shares) in the same processes, the run computing what the
+even run computes (float64), whatever splits it tried."""
+
+import pytest
+import torch
+
+from hybridpar.train import metrics
+from test_train import COSMO, final_weights, hybridpar, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # trains through the CLI in fresh worker processes
+
+TIMING = "[train]\nslow_window = 2\n"  # reported after two windows of two steps (step 1 not timed): at step 5
+
+
+@pytest.fixture(scope="module")
+def volumes(tmp_path_factory):
+    from test_train import synth
+
+    return synth(tmp_path_factory.mktemp("cosmo"), "synth-cosmoflow", 32, 8, 3)
+
+
+def test_a_slow_rank_is_reported_and_rebalancing_computes_what_the_even_run_computes(tmp_path, volumes):
+    """Rank 1 of dp=2 x spatial 2 four times slower from step 1: reported by name with its factor; with --rebalance
+    the run re-plans to uneven shares or slabs, and every loss, validation and final weight is the even run's."""
+    values = dict(data=volumes, dp=2, spatial=[1, 2, 1], steps=12)
+    even = write_config(tmp_path / "even.toml", COSMO, run=tmp_path / "even", **values)
+    slow = write_config(tmp_path / "slow.toml", COSMO, run=tmp_path / "slow", **values)
+    slow.write_text(slow.read_text().replace("[train]\n", TIMING))
+    hybridpar("train", even, "--nproc", 4)
+    proc = hybridpar("train", slow, "--nproc", 4, "--rebalance", env={"HYBRIDPAR_FAULTS": "slow:1@1x4"})
+    assert "rank 1 is slow: its forward takes" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    records = metrics.read(tmp_path / "slow" / "metrics.jsonl")
+    flagged = [r for r in records if r["split"] == "slow"]
+    assert flagged[0]["rank"] == 1 and flagged[0]["factor"] > 2 and flagged[0]["step"] == 5, flagged
+    replans = [r for r in records if r["split"] == "replan"]
+    assert replans[0]["step"] == 5 and ("shares" in replans[0]["plan"] or "slabs" in replans[0]["plan"]), replans
+    pace = metrics.read(tmp_path / "slow" / "pace.jsonl")
+    assert [r["step"] for r in pace][:2] == [3, 5] and all(len(r["compute_s"]) == 4 for r in pace)
+    reference = metrics.read(tmp_path / "even" / "metrics.jsonl")
+    got = [(r["step"], r["split"], r.get("loss", r.get("mae"))) for r in records if r["split"] in ("train", "val")]
+    want = [(r["step"], r["split"], r.get("loss", r.get("mae"))) for r in reference]
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for (step, split, value), (_, _, expected) in zip(got, want, strict=True):
+        assert value == pytest.approx(expected, rel=1e-10, abs=1e-12), f"{split} at step {step}"
+    for name, w in final_weights(even).items():
+        torch.testing.assert_close(final_weights(slow)[name], w, rtol=1e-10, atol=1e-12)
