@@ -17,6 +17,33 @@ def test_a_factor_is_the_time_over_the_median_of_the_peers():
     assert _factors([5.0]) == (1.0,)
 
 
+def test_a_rank_is_reported_after_two_windows_over_the_factor_that_matter(monkeypatch):
+    """Two windows in a row over ``train.slow_factor``, each with the forward past its expectation by ``MATTERS`` of
+    the step: a noisy forward of a few milliseconds in a long step is no report."""
+    from types import SimpleNamespace
+
+    from hybridpar.train import pace
+
+    monkeypatch.setattr(pace.dist, "get_world_size", lambda: 4)
+    measured = iter([])
+
+    def all_gather(out, mine):
+        for o, row in zip(out, next(measured), strict=True):
+            o.copy_(torch.tensor(row, dtype=torch.float64))
+
+    monkeypatch.setattr(pace.dist, "all_gather", all_gather)
+    config = SimpleNamespace(train=SimpleNamespace(slow_window=1, slow_factor=1.5))
+    parallel = SimpleNamespace(device=torch.device("cpu"), computing_modules=lambda: [], modules={})
+    slow = [(0.1, 0.0, 1.0)] * 3 + [(0.25, 0.0, 1.0)]  # rank 3: 2.5x, 0.15 s past its peers in a 1 s step
+    noise = [(0.002, 0.0, 1.0)] * 3 + [(0.005, 0.0, 1.0)]  # 2.5x too, but 3 ms
+    for windows, reports in (([slow, slow, slow], [{}, {3: 2.5}, {}]), ([noise, noise, noise], [{}, {}, {}])):
+        measured = iter(windows)
+        timing = pace.Pace(config, Plan(dp=4, global_batch=4), parallel)
+        assert timing.end(1) is None  # the first step is not timed
+        found = [timing.end(step) for step in (2, 3, 4)]
+        assert [w.slow for w in found] == reports and all(w.factors[3] == 2.5 for w in found)
+
+
 def test_the_slow_fault_is_planned_by_the_environment():
     assert _parse("slow:2@5, slow:1@3x4") == (Fault("slow", 2, 5), Fault("slow", 1, 3, 4))
 

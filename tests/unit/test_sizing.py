@@ -106,3 +106,21 @@ def test_cosmoflow_on_half_a100_half_h100_is_sized_to_the_devices(mixed_file):
     assert best.plan.prediction.step_time < 0.8 * best.even.prediction.step_time
     assert best.plan.prediction.memory["total"] <= 80 * 2**30
     assert [p.prediction.step_time for p in result.plans] == sorted(p.prediction.step_time for p in result.plans)
+
+
+def test_a_plan_file_with_shares_is_priced_on_the_mixed_devices(mixed_file):
+    """``validate`` (a plan file on ``cluster = "mixed.toml"``) prices the shares as written: faster than even where
+    the H100 replicas take more, slower where they take less, refused where a device runs out of memory."""
+    from hybridpar.errors import PlanError
+    from hybridpar.plan import validate
+
+    model = cosmoflow(size=128, in_channels=4, base_channels=16, num_blocks=5, fc_sizes=(64,), num_outputs=4)
+    graph = graph_of(model, (8, 4, 128, 128, 128), "float32")
+    mixed = cluster_of(str(mixed_file))
+    even = Plan(dp=2, spatial=(4, 4, 1), global_batch=8, input_shape=(8, 4, 128, 128, 128))
+    step = {shares: validate(Plan(**{**even.__dict__, "shares": shares}), graph, mixed).prediction.step_time
+            for shares in ((), (2, 6), (6, 2))}
+    assert step[(2, 6)] < step[()] < step[(6, 2)]
+    huge = Plan(dp=2, spatial=(4, 4, 1), global_batch=2048, shares=(1, 2047), input_shape=(2048, 4, 128, 128, 128))
+    with pytest.raises(PlanError, match=r"rank 16 \(h100\) needs .* GiB with its work of 2.00 even shares"):
+        validate(huge, graph, mixed)

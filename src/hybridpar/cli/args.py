@@ -11,7 +11,7 @@ from hybridpar.errors import HybridparError
 INPUT_DTYPES = ("int64", "int32", "float32", "float64", "bfloat16", "float16")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 CLUSTER_HELP = ("a preset (v100, a100-40, a100-80, h100, h200, mi250x) or a cluster TOML file "
-                "(hybridpar calibrate writes one)")
+                "(hybridpar calibrate writes one; [[group]] tables of nodes for mixed devices)")
 
 
 def integers(text: str, sep: str = ",") -> tuple[int, ...]:

@@ -43,6 +43,14 @@ class ParallelModel:
         """The parallel module (without pipelining; with it, this rank's first stage)."""
         return self.modules[min(self.modules)]
 
+    def computing_modules(self):
+        """The modules whose forward computes this rank's part: the parallel modules, and under DDP the module it
+        wraps (DDP's own forward also broadcasts buffers, a wait on the other ranks)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        for module in self.modules.values():
+            yield module.module if isinstance(module, DistributedDataParallel) else module
+
     def parameters(self):
         """This rank's parameters (local shards, DTensors where PyTorch's engines keep them so)."""
         for module in self.modules.values():

@@ -104,35 +104,60 @@ def group_speeds(mixed: MixedCluster, plan: Plan, graph) -> tuple[float, ...]:
 
 
 def sized_plan(mixed: MixedCluster, plan: Plan, graph) -> Sized:
-    """``plan`` (found on ``mixed.reference``, with its prediction) sized to the groups' speeds; its prediction
-    the even one's with the compute scaled (``sizing.step_time``) and the fullest device's memory."""
-    from hybridpar.plan.options import check_grid
-
+    """``plan`` (found on ``mixed.reference``, with its prediction) sized to the groups' speeds."""
     per_group = group_speeds(mixed, plan, graph)
     speeds = tuple(per_group[mixed.group_of_rank(r)] for r in range(plan.world_size))
-
-    def fits(candidate: Plan) -> bool:
-        try:
-            candidate.check_uneven()
-            check_grid(graph, candidate.grid)
-        except PlanError:
-            return False
-        return all(_memory(candidate, r) <= mixed.groups[mixed.group_of_rank(r)].device_memory
-                   for r in range(candidate.world_size))
-
-    sized = sizing.sized(plan, speeds, fits)
-    pred = plan.prediction
-    compute = pred.compute_time * sizing.step_time(sized, speeds)
-    step = pred.step_time - pred.compute_time + compute
-    fullest = max(range(sized.world_size), key=lambda r: _memory(sized, r))
-    memory = dict(pred.memory, total=_memory(sized, fullest),
-                  activations=pred.memory["activations"] * sizing.rank_work(sized, fullest))
-    sized = replace(sized, cluster=mixed.name, prediction=replace(pred, step_time=step, compute_time=compute,
-                                                                  memory=memory,
-                                                                  samples_per_second=sized.global_batch / step))
+    sized = sizing.sized(plan, speeds, lambda candidate: _fits(mixed, candidate, graph) is None)
     rows = tuple((g.name, g.num_devices, per_group[i], *(_group_work(p, mixed, i) for p in (plan, sized)))
                  for i, g in enumerate(mixed.groups))
-    return Sized(sized, replace(plan, cluster=mixed.name), per_group, rows)
+    return Sized(_priced(mixed, sized, speeds), replace(plan, cluster=mixed.name), per_group, rows)
+
+
+def priced(mixed: MixedCluster, plan: Plan, graph) -> Plan:
+    """``plan`` with its shares and slabs as they are, checked and priced on ``mixed`` (``validate`` of a plan
+    file on a mixed cluster), or a ``PlanError`` naming what does not fit."""
+    from hybridpar.plan.validate import validate
+
+    even = validate(replace(plan, shares=(), slabs=()), graph, mixed.reference)
+    plan = replace(plan, prediction=even.prediction)
+    problem = _fits(mixed, plan, graph)
+    if problem:
+        raise PlanError(problem)
+    per_group = group_speeds(mixed, even, graph)
+    return _priced(mixed, plan, tuple(per_group[mixed.group_of_rank(r)] for r in range(plan.world_size)))
+
+
+def _fits(mixed: MixedCluster, plan: Plan, graph) -> str | None:
+    """Why ``plan`` (with the even split's prediction) cannot run on ``mixed``: its shares or slabs, the grid's halo
+    rules, a device's memory; ``None`` where it can."""
+    from hybridpar.plan.options import check_grid
+
+    try:
+        plan.check_uneven()
+        check_grid(graph, plan.grid)
+    except PlanError as err:
+        return str(err)
+    for rank in range(plan.world_size):
+        group = mixed.groups[mixed.group_of_rank(rank)]
+        if _memory(plan, rank) > group.device_memory:
+            return (f"rank {rank} ({group.name}) needs {_memory(plan, rank) / 2**30:.3g} GiB with its work of "
+                    f"{sizing.rank_work(plan, rank):.2f} even shares, more than its {group.device_memory / 2**30:.3g} "
+                    "GiB; give it a smaller share")
+    return None
+
+
+def _priced(mixed: MixedCluster, plan: Plan, speeds: tuple[float, ...]) -> Plan:
+    """``plan`` (with the even split's prediction) predicted on ranks of ``speeds``: the compute scaled by
+    ``sizing.step_time``, the fullest device's memory."""
+    pred = plan.prediction
+    compute = pred.compute_time * sizing.step_time(plan, speeds)
+    step = pred.step_time - pred.compute_time + compute
+    fullest = max(range(plan.world_size), key=lambda r: _memory(plan, r))
+    memory = dict(pred.memory, total=_memory(plan, fullest),
+                  activations=pred.memory["activations"] * sizing.rank_work(plan, fullest))
+    return replace(plan, cluster=mixed.name, prediction=replace(pred, step_time=step, compute_time=compute,
+                                                                memory=memory,
+                                                                samples_per_second=plan.global_batch / step))
 
 
 def _memory(plan: Plan, rank: int) -> float:

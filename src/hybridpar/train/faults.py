@@ -99,9 +99,8 @@ class Slowdown:
     def __init__(self, first: int, factor: int, modules):
         self.first, self.extra, self.step, self._begin = first, factor - 1, 0, 0.0
         for module in modules:
-            inner = getattr(module, "module", module)  # under DDP, the module itself
-            inner.register_forward_pre_hook(self._before)
-            inner.register_forward_hook(self._after)
+            module.register_forward_pre_hook(self._before)
+            module.register_forward_hook(self._after)
 
     def at(self, step: int) -> None:
         self.step = step
@@ -143,4 +142,4 @@ def slowdown(parallel) -> Slowdown | None:
     fault = _mine()
     if fault is None or fault.kind != "slow":
         return None
-    return Slowdown(fault.step, fault.factor, parallel.modules.values())
+    return Slowdown(fault.step, fault.factor, parallel.computing_modules())

@@ -3,9 +3,9 @@ holds back every synchronous step. Each rank times its forward pass less the tim
 slower neighbour costs it), per unit of its work (``hybridpar.plan.sizing.rank_work``: its share of the batch
 and of the volume, so that uneven shares and slabs compare fairly). Every ``train.slow_window`` steps one small
 all-gather gives every rank every rank's median of the window; a rank whose time per unit of work (over the
-speed the plan was sized for) is ``train.slow_factor`` times the median of its peers' in ``PATIENCE`` windows in
-a row is reported, with its factor, the same on every rank. The speeds measured then size the rebalanced plan
-(``train.rebalance``), against which the next windows are measured.
+speed the plan was sized for) is ``train.slow_factor`` times the median of its peers', by at least ``MATTERS`` of
+its step, in ``PATIENCE`` windows in a row is reported, with its factor, the same on every rank. The speeds
+measured then size the rebalanced plan (``train.rebalance``), against which the next windows are measured.
 
 The forward pass is the measure because it waits for nobody under DDP (the gradients' all-reduce runs in the
 backward) nor in a pipeline stage (its receives come before). Under tensor parallelism or FSDP the forward's own
@@ -24,6 +24,9 @@ import torch.distributed as dist
 from hybridpar.plan import sizing
 
 PATIENCE = 2  # windows in a row over the factor before a rank is reported
+# ... and over by this share of its step at least: a forward that long past its expectation holds the step back
+# (its backward with it); below, timing noise on shared cores dominates, and there is little to gain
+MATTERS = 0.05
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,15 @@ class Window:
 
 class Pace:
     """The timing of one rank's steps under ``plan``, hooked onto the parallel model's modules. ``speeds``: each
-    rank's speed the plan was sized for (``None``: all alike); a rank's time is expected to go as its work over
-    its speed, and a factor is the measured time over that expectation, over its peers'."""
+    rank's speed the plan was sized for (``None``: in proportion to its work, a plan balanced as given: even, or
+    sized by the planner for mixed devices); a rank's time is expected to go as its work over its speed, and a
+    factor is the measured time over that expectation, over its peers'."""
 
     def __init__(self, config, plan, parallel, speeds: tuple[float, ...] | None = None):
         self.window, self.threshold = config.train.slow_window, config.train.slow_factor
-        self.speeds = speeds or (1.0,) * dist.get_world_size()
-        self.expected = [sizing.rank_work(plan, r) / s for r, s in enumerate(self.speeds)]
+        work = [sizing.rank_work(plan, r) for r in range(dist.get_world_size())]
+        self.speeds = speeds or tuple(work)
+        self.expected = [w / s for w, s in zip(work, self.speeds, strict=True)]
         self.device = parallel.device
         self._halos = _halo_stats(parallel)
         self._forward = self._begin = self._wait = self._step_begin = self._step_wait = 0.0
@@ -63,9 +68,9 @@ class Pace:
         self._strikes = [0] * dist.get_world_size()
         self.reported: dict[int, float] = {}
         self._handles = []
-        for module in parallel.modules.values():
-            inner = getattr(module, "module", module)  # under DDP, the module itself: DDP's forward broadcasts
-            self._handles += [inner.register_forward_pre_hook(self._before), inner.register_forward_hook(self._after)]
+        for module in parallel.computing_modules():
+            self._handles += [module.register_forward_pre_hook(self._before),
+                              module.register_forward_hook(self._after)]
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -102,7 +107,9 @@ class Pace:
         factors = _factors([c / e for c, e in zip(compute, self.expected, strict=True)])
         slow = {}
         for rank, factor in enumerate(factors):
-            self._strikes[rank] = self._strikes[rank] + 1 if factor > self.threshold else 0
+            excess = compute[rank] * (1 - 1 / factor)  # its forward past what its peers' pace expects of it
+            over = factor > self.threshold and excess >= MATTERS * step_s[rank]
+            self._strikes[rank] = self._strikes[rank] + 1 if over else 0
             if self._strikes[rank] >= PATIENCE and rank not in self.reported:
                 slow[rank] = self.reported[rank] = factor
         # only a rank reported slow changes speed: the others' spread is within the factor, which is noise

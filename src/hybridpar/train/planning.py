@@ -162,7 +162,7 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int, rescale: bool
     plan = _for_config(plan, stated, config, graph, where)
     if not config.cluster:
         try:
-            check_grid(graph, plan.spatial)
+            check_grid(graph, plan.grid)
         except PlanError as err:
             raise PlanError(f"{where}: spatial = {list(plan.spatial)}: {err}") from None
         return plan
