@@ -45,3 +45,21 @@ def test_a_slow_rank_is_reported_and_rebalancing_computes_what_the_even_run_comp
         assert value == pytest.approx(expected, rel=1e-10, abs=1e-12), f"{split} at step {step}"
     for name, w in final_weights(even).items():
         torch.testing.assert_close(final_weights(slow)[name], w, rtol=1e-10, atol=1e-12)
+
+
+def test_a_slow_pipeline_stage_gets_fewer_layers_and_the_run_computes_the_same(tmp_path):
+    """A GPT at pp=2 (two blocks a stage), the last stage four times slower from step 1: with --rebalance the
+    stage boundary moves so that the slow stage holds fewer layers, and every loss is the even run's (float64)."""
+    from test_train_gpt import config, losses, plan_file
+
+    plan = f'plan = "{plan_file(tmp_path / "plan.json", pp=2, stages=("blocks.2.ln_1",), micro_batches=2)}"'
+    even = config(tmp_path / "even.toml", tmp_path / "even", top=plan)
+    slow = config(tmp_path / "slow.toml", tmp_path / "slow", top=plan, train_extra="slow_window = 2\n")
+    hybridpar("train", even, "--nproc", 2)
+    proc = hybridpar("train", slow, "--nproc", 2, "--rebalance", env={"HYBRIDPAR_FAULTS": "slow:1@1x4"})
+    assert "rank 1 is slow" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    replans = [r for r in metrics.read(tmp_path / "slow" / "metrics.jsonl") if r["split"] == "replan"]
+    assert replans[0]["step"] == 5 and replans[0]["plan"].startswith("dp=1 pp=2"), replans
+    assert "stages from" in replans[0]["plan"] and "stages from blocks.2" not in replans[0]["plan"], replans  # later
+    expected = losses(tmp_path / "even")
+    assert losses(tmp_path / "slow") == pytest.approx(expected, rel=1e-10) and len(expected) == 6

@@ -8,7 +8,7 @@ from hybridpar.errors import ClusterError, PlanError
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.plan import Plan, cluster_of, graph_of, plan, search_plans
 from hybridpar.plan.mixed import MixedCluster
-from hybridpar.plan.sizing import MIN_GAIN, rank_work, sized, step_time
+from hybridpar.plan.sizing import MIN_GAIN, Layers, rank_work, sized, step_time
 
 VOLUME = (8, 1, 64, 64, 64)
 
@@ -59,6 +59,20 @@ def test_a_slow_spatial_part_gets_a_thinner_slab_where_that_is_faster():
 def test_pipelines_take_no_uneven_shares():
     plan = Plan(dp=2, pp=2, global_batch=8, micro_batches=2)
     assert sized(plan, (1, 1, 0.5, 1)) == plan
+
+
+def test_a_slow_pipeline_stage_gets_fewer_layers():
+    """Stage boundaries where the slowest stage's FLOPs over its speed is least, among the cuts the model allows."""
+    layers = Layers(flops=(1, 10, 10, 10, 10, 1), names=tuple("abcdef"), starts=(1, 2, 3, 4, 5))
+    plan = Plan(pp=2, stages=("c",), global_batch=4, micro_batches=2)  # 11 and 31 FLOPs
+    assert layers.stage_work(plan) == (11 / 21, 31 / 21)
+    assert sized(plan, (1, 1), layers=layers).stages == ("d",), "even speeds: 11 and 31 become 21 and 21"
+    slow_last = sized(plan, (1, 0.25), layers=layers)
+    assert slow_last.stages == ("f",) and step_time(slow_last, (1, 0.25), layers) == 41 / 21
+    narrow = Layers(flops=layers.flops, names=layers.names, starts=(2, 4))  # where the model may be cut
+    assert sized(plan, (1, 0.25), layers=narrow).stages == ("e",)
+    three = Plan(pp=3, stages=("b", "d"), global_batch=4, micro_batches=3)
+    assert sized(three, (1, 1, 0.5), layers=layers).stages == ("d", "f"), "21, 20 and 1 / 0.5 FLOPs"
 
 
 @pytest.fixture(scope="module")

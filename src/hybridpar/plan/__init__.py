@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
 from hybridpar.plan.graph import Layer, ModelGraph
-from hybridpar.plan.mixed import MixedCluster, sized_plan
+from hybridpar.plan.mixed import MixedCluster, priced, sized_plan
 from hybridpar.plan.options import check_grid
 from hybridpar.plan.search import SearchResult, search
 from hybridpar.plan.space import Constraints
 from hybridpar.plan.types import SCHEMA_VERSION, Plan, Prediction
-from hybridpar.plan.validate import validate
+from hybridpar.plan.validate import validate as validate_on
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -34,6 +34,14 @@ def cluster_of(cluster: ClusterSpec | MixedCluster | str) -> ClusterSpec | Mixed
     from hybridpar.plan.io import load_cluster
 
     return load_cluster(cluster)
+
+
+def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec | MixedCluster, *, overlap_halo: bool = True) -> Plan:
+    """``plan`` with its prediction, if it fits ``graph`` on ``cluster``; a ``PlanError`` naming what does not. On a
+    mixed cluster, priced on its devices with the plan's shares and slabs as they are (``mixed.priced``)."""
+    if isinstance(cluster, MixedCluster):
+        return priced(cluster, plan, graph)
+    return validate_on(plan, graph, cluster, overlap_halo=overlap_halo)
 
 
 def _graph(model: nn.Module | ModelGraph, example_input, dtype: str) -> ModelGraph:

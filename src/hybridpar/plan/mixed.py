@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from hybridpar.errors import ClusterError, PlanError
 from hybridpar.plan import sizing
 from hybridpar.plan.cluster import ClusterSpec
+from hybridpar.plan.options import check_grid
 from hybridpar.plan.types import Plan
+from hybridpar.plan.validate import validate
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,6 @@ class Sized:
 
 def group_speeds(mixed: MixedCluster, plan: Plan, graph) -> tuple[float, ...]:
     """Each group's speed on ``plan``: the plan's predicted compute time on the reference over on that kind."""
-    from hybridpar.plan.validate import validate
-
     nodes = sum(g.num_nodes for g in mixed.groups)
     reference = validate(plan, graph, mixed.reference).prediction.compute_time
     speeds = []
@@ -107,31 +107,29 @@ def sized_plan(mixed: MixedCluster, plan: Plan, graph) -> Sized:
     """``plan`` (found on ``mixed.reference``, with its prediction) sized to the groups' speeds."""
     per_group = group_speeds(mixed, plan, graph)
     speeds = tuple(per_group[mixed.group_of_rank(r)] for r in range(plan.world_size))
-    sized = sizing.sized(plan, speeds, lambda candidate: _fits(mixed, candidate, graph) is None)
-    rows = tuple((g.name, g.num_devices, per_group[i], *(_group_work(p, mixed, i) for p in (plan, sized)))
+    layers = sizing.Layers.of(graph) if plan.pp > 1 else None
+    sized = sizing.sized(plan, speeds, lambda candidate: _fits(mixed, candidate, graph) is None, layers)
+    rows = tuple((g.name, g.num_devices, per_group[i], *(_group_work(p, mixed, i, layers) for p in (plan, sized)))
                  for i, g in enumerate(mixed.groups))
-    return Sized(_priced(mixed, sized, speeds), replace(plan, cluster=mixed.name), per_group, rows)
+    return Sized(_priced(mixed, sized, speeds, layers), replace(plan, cluster=mixed.name), per_group, rows)
 
 
 def priced(mixed: MixedCluster, plan: Plan, graph) -> Plan:
     """``plan`` with its shares and slabs as they are, checked and priced on ``mixed`` (``validate`` of a plan
     file on a mixed cluster), or a ``PlanError`` naming what does not fit."""
-    from hybridpar.plan.validate import validate
-
     even = validate(replace(plan, shares=(), slabs=()), graph, mixed.reference)
     plan = replace(plan, prediction=even.prediction)
     problem = _fits(mixed, plan, graph)
     if problem:
         raise PlanError(problem)
     per_group = group_speeds(mixed, even, graph)
-    return _priced(mixed, plan, tuple(per_group[mixed.group_of_rank(r)] for r in range(plan.world_size)))
+    return _priced(mixed, plan, tuple(per_group[mixed.group_of_rank(r)] for r in range(plan.world_size)),
+                   sizing.Layers.of(graph) if plan.pp > 1 else None)
 
 
 def _fits(mixed: MixedCluster, plan: Plan, graph) -> str | None:
     """Why ``plan`` (with the even split's prediction) cannot run on ``mixed``: its shares or slabs, the grid's halo
     rules, a device's memory; ``None`` where it can."""
-    from hybridpar.plan.options import check_grid
-
     try:
         plan.check_uneven()
         check_grid(graph, plan.grid)
@@ -146,11 +144,11 @@ def _fits(mixed: MixedCluster, plan: Plan, graph) -> str | None:
     return None
 
 
-def _priced(mixed: MixedCluster, plan: Plan, speeds: tuple[float, ...]) -> Plan:
+def _priced(mixed: MixedCluster, plan: Plan, speeds: tuple[float, ...], layers: sizing.Layers | None) -> Plan:
     """``plan`` (with the even split's prediction) predicted on ranks of ``speeds``: the compute scaled by
     ``sizing.step_time``, the fullest device's memory."""
     pred = plan.prediction
-    compute = pred.compute_time * sizing.step_time(plan, speeds)
+    compute = pred.compute_time * sizing.step_time(plan, speeds, layers)
     step = pred.step_time - pred.compute_time + compute
     fullest = max(range(plan.world_size), key=lambda r: _memory(plan, r))
     memory = dict(pred.memory, total=_memory(plan, fullest),
@@ -166,6 +164,6 @@ def _memory(plan: Plan, rank: int) -> float:
     return memory["total"] + memory["activations"] * (sizing.rank_work(plan, rank) - 1)
 
 
-def _group_work(plan: Plan, mixed: MixedCluster, group: int) -> float:
+def _group_work(plan: Plan, mixed: MixedCluster, group: int, layers: sizing.Layers | None) -> float:
     """The largest work of a device of ``group`` under ``plan`` (1: an even share)."""
-    return max(sizing.rank_work(plan, r) for r in range(plan.world_size) if mixed.group_of_rank(r) == group)
+    return max(sizing.rank_work(plan, r, layers) for r in range(plan.world_size) if mixed.group_of_rank(r) == group)

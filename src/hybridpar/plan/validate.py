@@ -40,12 +40,7 @@ def chain_of(graph: ModelGraph, ctx, strategies: dict[str, str], cache: Caches |
 
 
 def validate(plan: Plan, graph: ModelGraph, cluster: ClusterSpec, *, overlap_halo: bool = True) -> Plan:
-    """``plan`` with its prediction, if it fits ``graph`` on ``cluster``; a ``PlanError`` naming what does not. On
-    a mixed cluster (``plan.mixed``), priced on its devices with the plan's shares and slabs as they are."""
-    if not isinstance(cluster, ClusterSpec):
-        from hybridpar.plan.mixed import priced
-
-        return priced(cluster, plan, graph)
+    """``plan`` with its prediction, if it fits ``graph`` on ``cluster``; a ``PlanError`` naming what does not."""
     _check_degrees(plan, cluster)
     plan.check_uneven()
     check_grid(graph, plan.grid if graph.spatial_ndim else ())

@@ -27,6 +27,12 @@ class Replan:
     speeds: tuple[float, ...]
     reason: str
 
+    @property
+    def told(self) -> str:
+        """The plan in words, with its pipeline stages (which ``Plan.describe`` leaves out)."""
+        stages = f"; stages from {', '.join(self.plan.stages)}" if self.plan.stages else ""
+        return self.plan.describe() + stages
+
 
 class Balancer:
     """What to do after each window: nothing, or re-plan (``decide``)."""
@@ -34,7 +40,7 @@ class Balancer:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._trial: tuple[Replan, Plan, float] | None = None  # the plan before, the plan on trial, step time before
-        self._failed: set[tuple[bool, bool]] = set()  # the kinds of split that did not pay
+        self._failed: set[tuple[bool, bool, bool]] = set()  # the kinds of split that did not pay
 
     def wants(self, window: Window) -> bool:
         """Whether ``window`` asks for a decision: a slow rank to rebalance around, or a rebalance on trial."""
@@ -48,11 +54,11 @@ class Balancer:
             self._trial = None
             if took < (1 - sizing.MIN_GAIN) * before_took:
                 return f"rebalancing paid: {took:.3g} s per step against {before_took:.3g} s before"
-            self._failed.add(_split(tried))
-            return Replan(before.plan, before.speeds, f"{tried.describe()} did not pay ({took:.3g} s per step "
-                                                      f"against {before_took:.3g} s before); back")
+            self._failed.add(_split(tried, before.plan))
+            return Replan(before.plan, before.speeds, f"{Replan(tried, (), '').told} did not pay ({took:.3g} s per "
+                                                      f"step against {before_took:.3g} s before); back")
         slow = ", ".join(f"rank {r} slow ({f:.2f}x)" for r, f in window.slow.items())
-        sized = planning.sized_for(*analysed, plan, window.speeds, lambda p: _split(p) not in self._failed)
+        sized = planning.sized_for(*analysed, plan, window.speeds, lambda p: _split(p, plan) not in self._failed)
         if sized == plan:
             tried = " (the splits tried did not pay)" if self._failed else ""
             return f"{slow}: no uneven split of {plan.describe()} is predicted faster{tried}; the plan stays"
@@ -60,7 +66,7 @@ class Balancer:
         return Replan(sized, window.speeds, slow)
 
 
-def _split(plan: Plan) -> tuple[bool, bool]:
-    """The kind of split (uneven shares, uneven slabs): one that did not pay is not tried again with other weights
-    (a few rows more or less do not change what made it slow)."""
-    return bool(plan.shares), bool(plan.slabs)
+def _split(plan: Plan, before: Plan) -> tuple[bool, bool, bool]:
+    """The kind of split (uneven shares, uneven slabs, stages moved from ``before``'s): one that did not pay is not
+    tried again with other weights (a few rows more or less do not change what made it slow)."""
+    return bool(plan.shares), bool(plan.slabs), plan.stages != before.stages

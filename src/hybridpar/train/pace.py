@@ -52,12 +52,14 @@ class Window:
 class Pace:
     """The timing of one rank's steps under ``plan``, hooked onto the parallel model's modules. ``speeds``: each
     rank's speed the plan was sized for (``None``: in proportion to its work, a plan balanced as given: even, or
-    sized by the planner for mixed devices); a rank's time is expected to go as its work over its speed, and a
-    factor is the measured time over that expectation, over its peers'."""
+    sized by the planner for mixed devices); a rank's time is expected to go as its work over its speed (with
+    ``layers``, a pipeline stage's FLOPs count), and a factor is the measured time over that expectation, over
+    its peers'."""
 
-    def __init__(self, config, plan, parallel, speeds: tuple[float, ...] | None = None):
+    def __init__(self, config, plan, parallel, speeds: tuple[float, ...] | None = None,
+                 layers: sizing.Layers | None = None):
         self.window, self.threshold = config.train.slow_window, config.train.slow_factor
-        work = [sizing.rank_work(plan, r) for r in range(dist.get_world_size())]
+        work = [sizing.rank_work(plan, r, layers) for r in range(dist.get_world_size())]
         self.speeds = speeds or tuple(work)
         self.expected = [w / s for w, s in zip(work, self.speeds, strict=True)]
         self.device = parallel.device

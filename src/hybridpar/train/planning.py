@@ -58,8 +58,9 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int, r
 
 
 def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, ...], allowed=lambda p: True) -> Plan:
-    """``plan`` with its work sized to the ranks' measured ``speeds`` (``plan.sizing.sized``), among the uneven
-    splits ``allowed`` that ``hybridpar.parallelize`` runs on ``model`` (on the meta device)."""
+    """``plan`` with its work sized to the ranks' measured ``speeds`` (``plan.sizing.sized``: uneven shares and
+    slabs, a pipeline's stages moved), among the plans ``allowed`` that ``hybridpar.parallelize`` runs on
+    ``model`` (on the meta device)."""
     from hybridpar.parallel.plan_check import check_plan
 
     graph = graph_of(model, example_input, plan.dtype)
@@ -73,7 +74,12 @@ def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, 
             return False
         return True
 
-    return sizing.sized(plan, speeds, runs)
+    return sizing.sized(plan, speeds, runs, sizing.Layers.of(graph) if plan.pp > 1 else None)
+
+
+def layers_for(model: nn.Module, example_input, plan: Plan) -> sizing.Layers | None:
+    """What sizes a pipeline's stages (``plan.sizing.Layers``) for a plan with pp > 1; ``None`` without stages."""
+    return sizing.Layers.of(graph_of(model, example_input, plan.dtype)) if plan.pp > 1 else None
 
 
 def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int, rescale: bool = False) -> Plan:

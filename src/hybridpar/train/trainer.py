@@ -91,7 +91,7 @@ def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | No
                                      local + optimizer_state_bytes(local, config.optimizer.name))
     slowdown = faults.slowdown(parallel)  # before the timing's hooks: a slowed rank's forward is timed slow
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
-               pace.Pace(config, plan, parallel, speeds), slowdown)
+               pace.Pace(config, plan, parallel, speeds, planning.layers_for(*task.analysed, plan)), slowdown)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
@@ -223,8 +223,8 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
     checkpoint_dir.resume(directory, new.parallel, new.optimizer)
     out.summary["mesh"] = replan.plan.describe()
     if dist.get_rank() == 0:
-        logger.warning(f"re-planned at step {done}: {replan.plan.describe()} ({replan.reason})")
-    out.log.log({"step": done, "split": "replan", "plan": replan.plan.describe(), "reason": replan.reason})
+        logger.warning(f"re-planned at step {done}: {replan.told} ({replan.reason})")
+    out.log.log({"step": done, "split": "replan", "plan": replan.told, "reason": replan.reason})
     return new
 
 
