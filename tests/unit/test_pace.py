@@ -34,8 +34,9 @@ def test_a_rank_is_reported_after_two_windows_over_the_factor_that_matter(monkey
     monkeypatch.setattr(pace.dist, "all_gather", all_gather)
     config = SimpleNamespace(train=SimpleNamespace(slow_window=1, slow_factor=1.5))
     parallel = SimpleNamespace(device=torch.device("cpu"), computing_modules=lambda: [], modules={})
-    slow = [(0.1, 0.0, 1.0)] * 3 + [(0.25, 0.0, 1.0)]  # rank 3: 2.5x, 0.15 s past its peers in a 1 s step
-    noise = [(0.002, 0.0, 1.0)] * 3 + [(0.005, 0.0, 1.0)]  # 2.5x too, but 3 ms
+    # forward, halo waits, step (seconds), peak memory and device bytes (not known on a CPU)
+    slow = [(0.1, 0.0, 1.0, 0, 0)] * 3 + [(0.25, 0.0, 1.0, 0, 0)]  # rank 3: 2.5x, 0.15 s past its peers in 1 s
+    noise = [(0.002, 0.0, 1.0, 0, 0)] * 3 + [(0.005, 0.0, 1.0, 0, 0)]  # 2.5x too, but 3 ms
     for windows, reports in (([slow, slow, slow], [{}, {3: 2.5}, {}]), ([noise, noise, noise], [{}, {}, {}])):
         measured = iter(windows)
         timing = pace.Pace(config, Plan(dp=4, global_batch=4), parallel)
@@ -81,3 +82,15 @@ def test_a_rebalance_that_paid_stays():
     kept = balancer.decide(tried.plan, tried.speeds, window(15, 1.2, {}), analysed())
     assert kept == "rebalancing paid: 1.2 s per step against 2 s before"
     assert not balancer.wants(window(20, 1.2, {})) and not Balancer(enabled=False).wants(window(5, 2.0, {0: 3.0}))
+
+
+def test_a_rebalanced_rank_must_keep_its_memory_within_its_device():
+    """A rank whose measured peak, grown with its new work, would pass 90% of its device keeps its share."""
+    from hybridpar.train.planning import sized_for
+
+    even = Plan(dp=4, global_batch=16, input_shape=(16, 1, 32, 32, 32))
+    speeds = (1.0, 1.0, 0.5, 1.0)
+    roomy = sized_for(*analysed(), even, speeds, memory=((2e9,) * 4, (10e9,) * 4))
+    assert roomy.shares == (5, 5, 2, 4)
+    tight = sized_for(*analysed(), even, speeds, memory=((8e9,) * 4, (10e9,) * 4))  # 5 / 4 x 8 GB > 9 GB
+    assert tight == even

@@ -89,7 +89,10 @@ def test_a_mixed_cluster_file_and_its_proportions(mixed_file):
     assert [mixed.group_of_rank(r) for r in (0, 15, 16, 31)] == [0, 0, 1, 1]
     assert mixed.describe() == "2 x 8 a100-80 + 2 x 8 h100"
     assert mixed.with_devices(64).describe() == "4 x 8 a100-80 + 4 x 8 h100"
-    assert mixed.reference.name == "half and half (as a100-80)" and mixed.reference.num_devices == 32
+    reference = mixed.reference("float32")
+    assert reference.name == "half and half (as a100-80)" and reference.num_devices == 32
+    with pytest.raises(ClusterError, match="a100-80 has no peak FLOP/s for float8"):
+        mixed.reference("float8")
     with pytest.raises(ClusterError, match="keeps its proportions on multiples of 16 devices"):
         mixed.with_devices(24)
 
@@ -99,6 +102,8 @@ def test_a_mixed_cluster_file_and_its_proportions(mixed_file):
     ('name = "m"\n[[group]]\ncluster = "tpu"\nnodes = 1\n', "tpu: no such file, and not a preset name"),
     ('name = "m"\n[[group]]\ncluster = "h100"\nnodes = 1\nspeed = 2\n', r"unknown key group\[0\].speed"),
     ('name = "m"\nnodes = 2\n[[group]]\ncluster = "h100"\nnodes = 1\n', "unknown key nodes; a mixed cluster's top"),
+    ('name = "m"\n[[group]]\ncluster = "m.toml"\nnodes = 1\n', "m.toml: is a mixed cluster itself"),
+    ('name = "m"\ngroup = [1]\n', r"group\[0\] = 1: expected a \[\[group\]\] table"),
 ])
 def test_mixed_cluster_files_that_are_refused(tmp_path, text, message):
     (tmp_path / "m.toml").write_text(text)

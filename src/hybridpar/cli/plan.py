@@ -54,7 +54,8 @@ def run(args, console: Console) -> int:
     searched = time.perf_counter()
     if not result.plans:
         c = Constraints(global_batch=args.batch or graph.batch, dtype=args.dtype, **constraints)
-        raise HybridparError(no_fit_message(graph, spec, c, result))
+        raise HybridparError(no_fit_message(graph, spec.reference(args.dtype) if hasattr(spec, "groups") else spec,
+                                            c, result))
     plans = [replace(p, model=args.model) for p in result.plans]
     if args.out:
         Path(args.out).write_text(plans[0].to_json() + "\n")

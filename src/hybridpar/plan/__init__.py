@@ -68,7 +68,7 @@ def _search(graph: ModelGraph, spec: ClusterSpec | MixedCluster, c: Constraints)
     (``mixed.sized_plan``) and ranked again."""
     if not isinstance(spec, MixedCluster):
         return search(graph, spec, c)
-    result = search(graph, spec.reference, c)
+    result = search(graph, spec.reference(c.dtype), c)
     sized = sorted((sized_plan(spec, p, graph) for p in result.plans), key=lambda s: s.plan.prediction.step_time)
     return replace(result, plans=[s.plan for s in sized], sized=tuple(sized))
 
@@ -87,7 +87,8 @@ def plan(model: nn.Module | ModelGraph, example_input, cluster: ClusterSpec | st
     c = _constraints(graph, global_batch, dtype, constraints)
     result = _search(graph, spec, c)
     if not result.plans:
-        raise PlanError(no_fit_message(graph, getattr(spec, "reference", spec), c, result, hints))
+        raise PlanError(no_fit_message(graph, spec.reference(dtype) if isinstance(spec, MixedCluster) else spec, c,
+                                       result, hints))
     return result.plans[0]
 
 

@@ -45,7 +45,7 @@ LINK = {  # key -> (Link field, unit, required)
 }
 
 
-def load_cluster(name_or_path: str | Path) -> ClusterSpec | MixedCluster:
+def load_cluster(name_or_path: str | Path, mixed: bool = True) -> ClusterSpec | MixedCluster:
     """A preset by name (``"a100-80"``), or a ClusterSpec TOML file, or a mixed cluster's (``[[group]]`` tables
     of nodes, each a preset or a file beside it); errors name the file and the key."""
     if str(name_or_path) in PRESETS:
@@ -58,17 +58,20 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec | MixedCluster:
                            f"or write one with `hybridpar calibrate`") from None
     except OSError as err:
         raise ClusterError(f"{path}: cannot read the cluster file ({err.strerror})") from None
-    return cluster_from_toml(text, str(path), path.parent)
+    return cluster_from_toml(text, str(path), path.parent, mixed)
 
 
-def cluster_from_toml(text: str, source: str = "cluster.toml", base: Path = Path()) -> ClusterSpec | MixedCluster:
-    """A ClusterSpec (or a mixed cluster: ``[[group]]`` tables, their files relative to ``base``) from TOML text;
-    ``source`` (the file name) starts every error message."""
+def cluster_from_toml(text: str, source: str = "cluster.toml", base: Path = Path(),
+                      mixed: bool = True) -> ClusterSpec | MixedCluster:
+    """A ClusterSpec (or, with ``mixed``, a mixed cluster: ``[[group]]`` tables, their files relative to ``base``)
+    from TOML text; ``source`` (the file name) starts every error message."""
     try:
         table = tomllib.loads(text, parse_float=Decimal)
     except tomllib.TOMLDecodeError as err:
         raise ClusterError(f"{source}: not valid TOML ({err})") from None
     try:
+        if "group" in table and not mixed:
+            raise ClusterError("is a mixed cluster itself ([[group]] tables); a group names one kind of node")
         return _mixed(table, base) if "group" in table else _parse(table)
     except ClusterError as err:
         raise ClusterError(f"{source}: {err}") from None
@@ -81,11 +84,11 @@ def _mixed(table: dict, base: Path) -> MixedCluster:
         raise ClusterError(f"group = {_show(table['group'])}: expected [[group]] tables of cluster and nodes")
     groups = []
     for i, entry in enumerate(table["group"]):
+        if not isinstance(entry, dict):
+            raise ClusterError(f"group[{i}] = {_show(entry)}: expected a [[group]] table of cluster and nodes")
         _check_keys(entry, ("cluster", "nodes"), f"group[{i}].", "a [[group]]")
         name = _value(entry, "cluster", f"group[{i}].", "str")
-        spec = load_cluster(name if name in PRESETS else base / name)
-        if isinstance(spec, MixedCluster):
-            raise ClusterError(f"group[{i}].cluster = {name!r} is a mixed cluster itself; name one kind of node")
+        spec = load_cluster(name if name in PRESETS else base / name, mixed=False)
         groups.append(replace(spec, num_nodes=_value(entry, "nodes", f"group[{i}].", "int")))
     return MixedCluster(_value(table, "name", "", "str"), tuple(groups))
 

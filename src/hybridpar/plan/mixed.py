@@ -62,18 +62,21 @@ class MixedCluster:
         return " + ".join(f"{g.num_nodes} x {g.devices_per_node} {g.name}" for g in self.groups)
 
     def group_of_rank(self, rank: int) -> int:
+        first = 0
         for index, group in enumerate(self.groups):
-            if rank < group.num_devices:
+            if rank < first + group.num_devices:
                 return index
-            rank -= group.num_devices
+            first += group.num_devices
         raise ClusterError(f"rank {rank} is beyond the {self.num_devices} devices of {self.name!r}")
 
-    @property
-    def reference(self) -> ClusterSpec:
-        """What the search plans on: all the nodes, each device as slow as the slowest kind's, with the least
-        memory and the slowest links of any kind."""
-        slowest = min(self.groups, key=lambda g: min(g.peak_flops.get(d, 0) * min(g.efficiency.values())
-                                                     for d in g.peak_flops))
+    def reference(self, dtype: str = "float32") -> ClusterSpec:
+        """What the search plans on: all the nodes, each device as slow as the slowest kind's in ``dtype``, with
+        the least memory and the slowest links of any kind."""
+        missing = [g.name for g in self.groups if dtype not in g.peak_flops]
+        if missing:
+            raise ClusterError(f"mixed cluster {self.name!r}: {missing[0]} has no peak FLOP/s for {dtype}; give its "
+                               f"[peak_tflops] {dtype}, or plan in a dtype every kind has")
+        slowest = min(self.groups, key=lambda g: g.peak_flops[dtype] * min(g.efficiency.values()))
         return replace(slowest, name=f"{self.name} (as {slowest.name})",
                        num_nodes=sum(g.num_nodes for g in self.groups),
                        device_memory=min(g.device_memory for g in self.groups),
@@ -94,11 +97,11 @@ class Sized:
 
 def group_speeds(mixed: MixedCluster, plan: Plan, graph) -> tuple[float, ...]:
     """Each group's speed on ``plan``: the plan's predicted compute time on the reference over on that kind."""
-    nodes = sum(g.num_nodes for g in mixed.groups)
-    reference = validate(plan, graph, mixed.reference).prediction.compute_time
+    nodes, spec = sum(g.num_nodes for g in mixed.groups), mixed.reference(plan.dtype)
+    reference = validate(plan, graph, spec).prediction.compute_time
     speeds = []
     for group in mixed.groups:
-        kind = replace(group, num_nodes=nodes, device_memory=mixed.reference.device_memory)
+        kind = replace(group, num_nodes=nodes, device_memory=spec.device_memory)
         speeds.append(reference / validate(plan, graph, kind).prediction.compute_time)
     return tuple(speeds)
 
@@ -117,7 +120,7 @@ def sized_plan(mixed: MixedCluster, plan: Plan, graph) -> Sized:
 def priced(mixed: MixedCluster, plan: Plan, graph) -> Plan:
     """``plan`` with its shares and slabs as they are, checked and priced on ``mixed`` (``validate`` of a plan
     file on a mixed cluster), or a ``PlanError`` naming what does not fit."""
-    even = validate(replace(plan, shares=(), slabs=()), graph, mixed.reference)
+    even = validate(replace(plan, shares=(), slabs=()), graph, mixed.reference(plan.dtype))
     plan = replace(plan, prediction=even.prediction)
     problem = _fits(mixed, plan, graph)
     if problem:
@@ -133,6 +136,8 @@ def _fits(mixed: MixedCluster, plan: Plan, graph) -> str | None:
     try:
         plan.check_uneven()
         check_grid(graph, plan.grid)
+        if plan.pp > 1:  # its stages: where the model may be cut, and what each holds, on the least memory
+            validate(replace(plan, shares=(), slabs=()), graph, mixed.reference(plan.dtype))
     except PlanError as err:
         return str(err)
     for rank in range(plan.world_size):

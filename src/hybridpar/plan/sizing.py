@@ -16,6 +16,7 @@ import heapq
 import math
 from dataclasses import dataclass, replace
 
+from hybridpar.errors import PlanError
 from hybridpar.plan.types import Plan
 
 WEIGHT_SCALE = 1000  # weights are whole numbers: speeds to three digits
@@ -38,6 +39,9 @@ class Layers:
 
     def stage_work(self, plan: Plan) -> tuple[float, ...]:
         """Each pp rank's share of the FLOPs relative to an even share (its stages', under interleaved 1F1B)."""
+        unknown = [name for name in plan.stages if name not in self.names]
+        if unknown:
+            raise PlanError(f"stage boundary {unknown[0]!r} is no layer of the model")
         bounds = [0, *(self.names.index(name) for name in plan.stages), len(self.flops)]
         stages = [sum(self.flops[a:b]) for a, b in zip(bounds, bounds[1:])]
         per_rank = [sum(stages[s] for s in range(r, len(stages), plan.pp)) for r in range(plan.pp)]

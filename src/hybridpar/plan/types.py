@@ -70,10 +70,13 @@ class Plan:
 
     def __post_init__(self):
         object.__setattr__(self, "spatial", tuple(self.spatial))
+        # weights or shares alike are the even split (one form), where they fit the degrees: else kept, and refused
         slabs = tuple(tuple(w) for w in self.slabs)
-        object.__setattr__(self, "slabs", () if all(even_weights(w) for w in slabs) else slabs)
+        fit = len(slabs) == len(self.spatial) and all(len(w) in (0, p) for w, p in zip(slabs, self.spatial))
+        object.__setattr__(self, "slabs", () if fit and all(even_weights(w) for w in slabs) else slabs)
         shares = tuple(self.shares)
-        object.__setattr__(self, "shares", () if even_weights(shares) else shares)
+        fit = len(shares) == self.dp and sum(shares) == self.global_batch
+        object.__setattr__(self, "shares", () if fit and even_weights(shares) else shares)
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "layers", tuple(tuple(p) for p in self.layers))
         object.__setattr__(self, "input_shape", tuple(self.input_shape))

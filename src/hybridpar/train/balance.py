@@ -58,7 +58,8 @@ class Balancer:
             return Replan(before.plan, before.speeds, f"{Replan(tried, (), '').told} did not pay ({took:.3g} s per "
                                                       f"step against {before_took:.3g} s before); back")
         slow = ", ".join(f"rank {r} slow ({f:.2f}x)" for r, f in window.slow.items())
-        sized = planning.sized_for(*analysed, plan, window.speeds, lambda p: _split(p, plan) not in self._failed)
+        sized = planning.sized_for(*analysed, plan, window.speeds, lambda p: _split(p, plan) not in self._failed,
+                                   (window.peak, window.capacity))
         if sized == plan:
             tried = " (the splits tried did not pay)" if self._failed else ""
             return f"{slow}: no uneven split of {plan.describe()} is predicted faster{tried}; the plan stays"

@@ -156,7 +156,11 @@ def _cannot_write(step: int, err: BaseException) -> str:
 def resume(directory: Path, parallel, optimizer) -> int:
     """Load the newest intact checkpoint of ``directory`` into a ``ParallelModel`` and its optimizer, written under
     any plan and resharded (collective); returns its step."""
-    path = newest_intact(directory)
+    return load(newest_intact(directory), parallel, optimizer)
+
+
+def load(path: Path, parallel, optimizer) -> int:
+    """Load the checkpoint at ``path`` into a ``ParallelModel`` and its optimizer (collective); returns its step."""
     _check_layout(path)
     sharded.init_optimizer_state(optimizer)
     return load_state(path, sharded.state_dict(parallel, optimizer))

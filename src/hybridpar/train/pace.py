@@ -42,6 +42,8 @@ class Window:
     factors: tuple[float, ...]
     slow: dict
     speeds: tuple[float, ...]  # each rank's speed as measured (relative to the fastest)
+    peak: tuple[float, ...] = ()  # each rank's peak of allocated bytes in the window (0: not known)
+    capacity: tuple[float, ...] = ()  # each rank's device bytes (0: not known)
 
     def record(self) -> dict:
         return {"step": self.step, "split": "pace", "compute_s": list(self.compute_s), "halo_wait_s":
@@ -51,16 +53,15 @@ class Window:
 
 class Pace:
     """The timing of one rank's steps under ``plan``, hooked onto the parallel model's modules. ``speeds``: each
-    rank's speed the plan was sized for (``None``: in proportion to its work, a plan balanced as given: even, or
-    sized by the planner for mixed devices); a rank's time is expected to go as its work over its speed (with
-    ``layers``, a pipeline stage's FLOPs count), and a factor is the measured time over that expectation, over
-    its peers'."""
+    rank's speed the plan was sized for (``None``: all alike; a mixed cluster's, ``planning.cluster_speeds``); a
+    rank's time is expected to go as its work over its speed (with ``layers``, a pipeline stage's FLOPs count),
+    and a factor is the measured time over that expectation, over its peers'."""
 
     def __init__(self, config, plan, parallel, speeds: tuple[float, ...] | None = None,
                  layers: sizing.Layers | None = None):
         self.window, self.threshold = config.train.slow_window, config.train.slow_factor
         work = [sizing.rank_work(plan, r, layers) for r in range(dist.get_world_size())]
-        self.speeds = speeds or tuple(work)
+        self.speeds = speeds or (1.0,) * len(work)
         self.expected = [w / s for w, s in zip(work, self.speeds, strict=True)]
         self.device = parallel.device
         self._halos = _halo_stats(parallel)
@@ -89,7 +90,8 @@ class Pace:
         self._forward += self._now() - self._begin - (self._halo_wait() - self._wait)
 
     def begin(self) -> None:
-        """A step starts."""
+        """A step starts (what ran since the last step, a validation, is not its time)."""
+        self._forward = 0.0
         self._step_begin, self._step_wait = self._now(), self._halo_wait()
 
     def end(self, step: int) -> Window | None:
@@ -98,25 +100,35 @@ class Pace:
         of steps)."""
         if self._warm:
             self._steps.append((self._forward, self._halo_wait() - self._step_wait, self._now() - self._step_begin))
-        self._forward, self._warm = 0.0, True
+        self._warm = True
         if len(self._steps) < self.window:
             return None
-        mine = [statistics.median(column) for column in zip(*self._steps, strict=True)]
+        mine = [statistics.median(column) for column in zip(*self._steps, strict=True)] + list(self._memory())
         self._steps.clear()
-        gathered = [torch.zeros(3, dtype=torch.float64, device=self.device) for _ in self.expected]
+        gathered = [torch.zeros(5, dtype=torch.float64, device=self.device) for _ in self.expected]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=self.device))
-        compute, wait, step_s = (tuple(float(g[i]) for g in gathered) for i in range(3))
+        compute, wait, step_s, peak, capacity = (tuple(float(g[i]) for g in gathered) for i in range(5))
         factors = _factors([c / e for c, e in zip(compute, self.expected, strict=True)])
         slow = {}
         for rank, factor in enumerate(factors):
-            excess = compute[rank] * (1 - 1 / factor)  # its forward past what its peers' pace expects of it
-            over = factor > self.threshold and excess >= MATTERS * step_s[rank]
+            # over the factor, and its forward past what its peers' pace expects of it by MATTERS of its step
+            over = factor > self.threshold and compute[rank] * (1 - 1 / factor) >= MATTERS * step_s[rank]
             self._strikes[rank] = self._strikes[rank] + 1 if over else 0
             if self._strikes[rank] >= PATIENCE and rank not in self.reported:
                 slow[rank] = self.reported[rank] = factor
         # only a rank reported slow changes speed: the others' spread is within the factor, which is noise
         measured = [s / factors[r] if r in self.reported else s for r, s in enumerate(self.speeds)]
-        return Window(step, compute, wait, step_s, factors, slow, tuple(s / max(measured) for s in measured))
+        return Window(step, compute, wait, step_s, factors, slow, tuple(s / max(measured) for s in measured),
+                      peak, capacity)
+
+    def _memory(self) -> tuple[float, float]:
+        """This rank's peak of allocated bytes since the last window and its device's bytes (on a GPU; ``0, 0``
+        elsewhere: no limit known)."""
+        if self.device.type != "cuda":
+            return 0.0, 0.0
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return float(peak), float(torch.cuda.get_device_properties(self.device).total_memory)
 
     def close(self) -> None:
         for handle in self._handles:

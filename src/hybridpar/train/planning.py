@@ -57,16 +57,27 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int, r
     return plan
 
 
-def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, ...], allowed=lambda p: True) -> Plan:
+HEADROOM = 0.9  # of a device's memory, what a rebalanced rank's predicted peak may take
+
+
+def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, ...], allowed=lambda p: True,
+              memory: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())) -> Plan:
     """``plan`` with its work sized to the ranks' measured ``speeds`` (``plan.sizing.sized``: uneven shares and
     slabs, a pipeline's stages moved), among the plans ``allowed`` that ``hybridpar.parallelize`` runs on
-    ``model`` (on the meta device)."""
+    ``model`` (on the meta device) and in which no rank's measured peak of memory (``memory``: peaks and device
+    bytes per rank, 0 where not known), grown with its work, passes ``HEADROOM`` of its device."""
     from hybridpar.parallel.plan_check import check_plan
 
     graph = graph_of(model, example_input, plan.dtype)
+    layers = sizing.Layers.of(graph) if plan.pp > 1 else None
+    peaks, capacities = memory
+
+    def fits(candidate: Plan) -> bool:
+        return all(sizing.rank_work(candidate, r, layers) / sizing.rank_work(plan, r, layers) * peak
+                   <= HEADROOM * capacity for r, (peak, capacity) in enumerate(zip(peaks, capacities)) if capacity)
 
     def runs(candidate: Plan) -> bool:
-        if not allowed(candidate):
+        if not allowed(candidate) or not fits(candidate):
             return False
         try:
             check_plan(model, candidate, example_input, graph)
@@ -74,7 +85,21 @@ def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, 
             return False
         return True
 
-    return sizing.sized(plan, speeds, runs, sizing.Layers.of(graph) if plan.pp > 1 else None)
+    return sizing.sized(plan, speeds, runs, layers)
+
+
+def cluster_speeds(config: Config, model: nn.Module, example_input, plan: Plan) -> tuple[float, ...] | None:
+    """Each rank's speed on a mixed cluster (``config.cluster``: the cost model's, ``plan.mixed``), which its plan
+    was sized for; ``None`` on one kind of device."""
+    if not config.cluster:
+        return None
+    from hybridpar.plan.mixed import MixedCluster, group_speeds
+
+    spec = _cluster(config, plan.world_size)
+    if not isinstance(spec, MixedCluster):
+        return None
+    per_group = group_speeds(spec, replace(plan, shares=(), slabs=()), graph_of(model, example_input, plan.dtype))
+    return tuple(per_group[spec.group_of_rank(r)] for r in range(plan.world_size))
 
 
 def layers_for(model: nn.Module, example_input, plan: Plan) -> sizing.Layers | None:

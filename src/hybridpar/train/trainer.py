@@ -10,6 +10,7 @@ batch ``s``, so a run resumed from a checkpoint, under this plan or another, rep
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, TrainingError
 from hybridpar.plan import Plan
 from hybridpar.plan.cost import optimizer_state_bytes
 from hybridpar.train import balance, checkpoint_dir, faults, finite, pace, planning, recovery
@@ -81,17 +82,18 @@ def check(config: Config, world_size: int, rescale: bool = False) -> int:
         task.close()
 
 
-def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | None = None) -> Run:
-    """The mesh, the parallel model, its optimizer and the task's data, for a checked task and its plan (sized for
-    the ranks' ``speeds``: ``pace.Pace``)."""
-    parallel = task.setup(plan, agreed_mesh(config, plan))
+def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | None = None, mesh=None) -> Run:
+    """The mesh (``mesh``: of a plan of the same degrees), the parallel model, its optimizer and the task's data,
+    for a checked task and its plan (sized for the ranks' ``speeds``, or a mixed cluster's: ``pace.Pace``)."""
+    parallel = task.setup(plan, mesh if mesh is not None else agreed_mesh(config, plan))
     local = sum(p.numel() * p.element_size() for p in (q.to_local() if isinstance(q, DTensor) else q
                                                          for q in parallel.parameters()))
     cadence = checkpoint_dir.Cadence(config, dist.get_world_size(),
                                      local + optimizer_state_bytes(local, config.optimizer.name))
     slowdown = faults.slowdown(parallel)  # before the timing's hooks: a slowed rank's forward is timed slow
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
-               pace.Pace(config, plan, parallel, speeds, planning.layers_for(*task.analysed, plan)), slowdown)
+               pace.Pace(config, plan, parallel, speeds or planning.cluster_speeds(config, *task.analysed, plan),
+                         planning.layers_for(*task.analysed, plan)), slowdown)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
@@ -202,7 +204,7 @@ def _train_until(run: Run, start: int, stop: int, stopping, out: _Loop):
         signal, window = _step(run, step, x, y, stopping.signal, out)
         if signal:
             return step + 1, signal, None
-        if window is not None and out.balancer.wants(window):
+        if window is not None and step + 1 < stop and out.balancer.wants(window):
             decided = out.balancer.decide(run.plan, run.pace.speeds, window, run.task.analysed)
             if isinstance(decided, balance.Replan):
                 return step + 1, 0, decided
@@ -214,13 +216,19 @@ def _train_until(run: Run, start: int, stop: int, stopping, out: _Loop):
 def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
     """The run re-planned after step ``done`` (``replan``): its state saved (a checkpoint of step ``done``) and
     loaded into the new plan's model, in the same processes."""
-    directory = Path(run.config.run_dir) / "checkpoints"
-    found = checkpoint_dir.checkpoints(directory)
-    if not found or found[-1][0] != done:  # not saved at this step already
+    name = f"step_{done:08d}"
+    if not out.summary.get("checkpoint", "").endswith(name):  # not saved at this step already (alike on every rank)
         _save(run, done, out.summary)
+    path, mesh = Path(out.summary["checkpoint"]), run.parallel.mesh
     run.pace.close()
-    new = setup(run.config, run.task, replan.plan, replan.speeds)
-    checkpoint_dir.resume(directory, new.parallel, new.optimizer)
+    run.parallel = run.optimizer = run.task.parallel = None  # the old model's memory free before the new one's
+    gc.collect()
+    if mesh.device_type == "cuda":
+        torch.cuda.empty_cache()
+    new = setup(run.config, run.task, replan.plan, replan.speeds, mesh)  # the same degrees: the same groups
+    loaded = checkpoint_dir.load(path, new.parallel, new.optimizer)
+    if loaded != done:
+        raise TrainingError(f"the checkpoint of step {done} read back as step {loaded} ({path})")
     out.summary["mesh"] = replan.plan.describe()
     if dist.get_rank() == 0:
         logger.warning(f"re-planned at step {done}: {replan.told} ({replan.reason})")
