@@ -282,7 +282,8 @@ def parallelize(
 
 
 def exchange_stats(module: nn.Module) -> ExchangeStats:
-    """Bytes and messages this rank sent in halo exchanges of a parallelized ``module``."""
+    """Bytes and messages this rank sent in halo exchanges of a parallelized ``module``, and the seconds it waited
+    for halos."""
     for m in module.modules():
         if isinstance(m, SpatialLayer):
             return m._hp_ctx.comm.stats

@@ -29,9 +29,12 @@ class Replan:
 
     @property
     def told(self) -> str:
-        """The plan in words, with its pipeline stages (which ``Plan.describe`` leaves out)."""
-        stages = f"; stages from {', '.join(self.plan.stages)}" if self.plan.stages else ""
-        return self.plan.describe() + stages
+        return told(self.plan)
+
+
+def told(plan: Plan) -> str:
+    """``plan`` in words, with its pipeline stages (which ``Plan.describe`` leaves out)."""
+    return plan.describe() + (f"; stages from {', '.join(plan.stages)}" if plan.stages else "")
 
 
 class Balancer:
@@ -55,8 +58,8 @@ class Balancer:
             if took < (1 - sizing.MIN_GAIN) * before_took:
                 return f"rebalancing paid: {took:.3g} s per step against {before_took:.3g} s before"
             self._failed.add(_split(tried, before.plan))
-            return Replan(before.plan, before.speeds, f"{Replan(tried, (), '').told} did not pay ({took:.3g} s per "
-                                                      f"step against {before_took:.3g} s before); back")
+            return Replan(before.plan, before.speeds, f"{told(tried)} did not pay ({took:.3g} s per step against "
+                                                      f"{before_took:.3g} s before); back")
         slow = ", ".join(f"rank {r} slow ({f:.2f}x)" for r, f in window.slow.items())
         sized = planning.sized_for(*analysed, plan, window.speeds, lambda p: _split(p, plan) not in self._failed,
                                    (window.peak, window.capacity))

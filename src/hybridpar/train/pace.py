@@ -65,7 +65,9 @@ class Pace:
         self.expected = [w / s for w, s in zip(work, self.speeds, strict=True)]
         self.device = parallel.device
         self._halos = _halo_stats(parallel)
-        self._forward = self._begin = self._wait = self._step_begin = self._step_wait = 0.0
+        self._spans: list = []  # this step's forwards: (start, end, halo wait); on a GPU, CUDA events
+        self._begin, self._wait = None, 0.0
+        self._step_begin = self._step_wait = 0.0
         self._steps: list[tuple[float, float, float]] = []
         self._warm = False  # the first step (allocations, DDP's first buckets) is not timed
         self._strikes = [0] * dist.get_world_size()
@@ -75,31 +77,43 @@ class Pace:
             self._handles += [module.register_forward_pre_hook(self._before),
                               module.register_forward_hook(self._after)]
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _mark(self):
+        """Now: on a GPU a CUDA event in the stream (read once the step has synchronised, so the forward is not
+        held up), else the host's clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _halo_wait(self) -> float:
         return self._halos.wait_s if self._halos is not None else 0.0
 
     def _before(self, module, args) -> None:
-        self._begin, self._wait = self._now(), self._halo_wait()
+        self._begin, self._wait = self._mark(), self._halo_wait()
 
     def _after(self, module, args, output) -> None:
-        self._forward += self._now() - self._begin - (self._halo_wait() - self._wait)
+        self._spans.append((self._begin, self._mark(), self._halo_wait() - self._wait))
+
+    def _forward(self) -> float:
+        """Seconds of this step's forwards, less their halo waits."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's loss has synchronised already: this waits for nothing
+            return sum(a.elapsed_time(b) / 1e3 - wait for a, b, wait in self._spans)
+        return sum(b - a - wait for a, b, wait in self._spans)
 
     def begin(self) -> None:
         """A step starts (what ran since the last step, a validation, is not its time)."""
-        self._forward = 0.0
-        self._step_begin, self._step_wait = self._now(), self._halo_wait()
+        self._spans.clear()
+        self._step_begin, self._step_wait = time.perf_counter(), self._halo_wait()
 
     def end(self, step: int) -> Window | None:
         """Step ``step`` ended; at the end of each window of steps (the first step of a plan left out: it allocates
         and warms up), what every rank measured (one all-gather: collective, on every rank after the same number
         of steps)."""
         if self._warm:
-            self._steps.append((self._forward, self._halo_wait() - self._step_wait, self._now() - self._step_begin))
+            forward = self._forward()
+            self._steps.append((forward, self._halo_wait() - self._step_wait, time.perf_counter() - self._step_begin))
         self._warm = True
         if len(self._steps) < self.window:
             return None
@@ -145,10 +159,12 @@ def _factors(per_work: list[float]) -> tuple[float, ...]:
 
 def _halo_stats(parallel):
     """The halo counters of a spatially parallel model (``None`` without spatial layers)."""
-    from hybridpar.spatial.base import SpatialLayer
+    from hybridpar.errors import UnsupportedModuleError
+    from hybridpar.spatial import exchange_stats
 
     for module in parallel.modules.values():
-        for m in module.modules():
-            if isinstance(m, SpatialLayer):
-                return m._hp_ctx.comm.stats
+        try:
+            return exchange_stats(module)
+        except UnsupportedModuleError:
+            continue
     return None

@@ -189,11 +189,12 @@ def _save(run: Run, done: int, summary: dict) -> None:
 def _report(window: pace.Window, out: _Loop) -> None:
     """A window's timing in ``pace.jsonl``; a rank found slow in the metrics and on screen (rank 0)."""
     out.pace.log(window.record())
+    hint = "" if out.balancer.enabled else ("; train.rebalance = true (hybridpar train --rebalance) gives it less "
+                                            "work")
     for rank, factor in window.slow.items():
         if dist.get_rank() == 0:
             logger.warning(f"rank {rank} is slow: its forward takes {factor:.2f}x its peers' per unit of work "
-                           f"(steps to {window.step}); train.rebalance = true (hybridpar train --rebalance) gives "
-                           "it less work")
+                           f"(steps to {window.step}){hint}")
         out.log.log({"step": window.step, "split": "slow", "rank": rank, "factor": factor})
 
 
