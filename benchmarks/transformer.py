@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cost_model_validation import DEFAULT_DIR, calibrate, log, rel, reset_peak_rss, status_kib, worker_env  # noqa: E402
 
 from hybridpar import parallelize  # noqa: E402
+from hybridpar.ir.types import Plan  # noqa: E402
 from hybridpar.launch import init_distributed, launch_local, shutdown_distributed  # noqa: E402
 from hybridpar.models.gpt import gpt, lm_loss  # noqa: E402
-from hybridpar.plan.types import Plan  # noqa: E402
 
 MODEL = dict(vocab_size=4096, seq_len=128, num_layers=4, num_heads=8, d_model=256)
 BATCH, PROCS, MiB = 8, 4, 2**20

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from hybridpar import parallelize
 from hybridpar.errors import PlanError
+from hybridpar.ir.types import Plan
 from hybridpar.models.gpt import lm_loss
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import graph_of
-from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
 from support.equivalence import check_step, plan_mesh, replica_slice
 

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from hybridpar import parallelize
 from hybridpar.errors import PlanError
+from hybridpar.ir.types import Plan
 from hybridpar.mesh import AXES
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import gpt, lm_loss
 from hybridpar.parallel import checkpoint
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import cluster_of, graph_of, search_plans
-from hybridpar.plan.types import Plan
 from hybridpar.spatial import shard
 from support import harness
 from support.equivalence import TOL, check_step, plan_mesh, replica_slice
@@ -187,8 +187,8 @@ def refusals() -> list[str]:
          "8 pipeline stages, but GPT has 7 blocks"),
         (dict(pp=4, stages=("blocks.1.attn.qkv", "blocks.2.ln_1", "blocks.3.ln_1")), {},
          "a stage cannot start at 'blocks.1.attn.qkv': stages start where a block starts"),
-        (dict(pp=2, dp=2, stages=PP2, micro_batches=3), {}, "a replica's batch of 4 does not split into "
-         "micro_batches=3"),
+        (dict(pp=2, dp=2, stages=PP2, micro_batches=3), {}, "a global batch of 8 does not split into dp=2 "
+         "replicas of micro_batches=3"),
         (dict(pp=2, dp=2, stages=PP2, schedule="zero-bubble"), {}, "schedule = 'zero-bubble'"),
         (dict(pp=4, stages=PP4, micro_batches=2), {}, "1F1B over 4 stages needs at least 4"),
         (dict(dp=4, micro_batches=2), {}, "micro_batches = 2: use 1 without pipeline stages"),

@@ -13,11 +13,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridpar.data.tokens import MarkovTokens
 from hybridpar.errors import HybridparError
+from hybridpar.ir.types import Plan
 from hybridpar.models.gpt import gpt
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import graph_of, preset
 from hybridpar.plan.io import write_cluster
-from hybridpar.plan.types import Plan
 from hybridpar.train import checkpoint_dir, load, metrics
 from hybridpar.train.trainer import check
 from test_train import expect_error, hybridpar

@@ -78,12 +78,13 @@ class Attention(nn.Module):
     def forward(self, x):  # (B, T, d)
         b, t, d = x.shape
         if self.layout == "heads":
-            q, k, v = self.qkv(x).view(b, t, self.heads, 3, d // self.heads).permute(3, 0, 2, 1, 4).unbind(0)
+            # the head count from the tensor (-1): a rank holding some heads' q, k and v views its own
+            q, k, v = self.qkv(x).view(b, t, -1, 3, d // self.heads).permute(3, 0, 2, 1, 4).unbind(0)
         else:
             q, k, v = self.qkv(x).split(d, dim=2)
             q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def tiny_token_model() -> nn.Module:

@@ -19,17 +19,21 @@ ABOVE_RUNTIME = ("hybridpar.train", "hybridpar.calibrate", "hybridpar.cli", "hyb
 
 # what importing a module must not load (a name, or a package and everything in it)
 NOT_LOADED = {
-    "hybridpar.plan": ("torch", *RUNTIME, *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data", "hybridpar.meta"),
+    "hybridpar.ir": ("torch", "hybridpar.plan", *RUNTIME, *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
+    "hybridpar.ir.check": ("torch", "hybridpar.plan", *RUNTIME, *ABOVE_RUNTIME),
+    "hybridpar.plan": ("torch", *RUNTIME, *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data", "hybridpar.ir.meta",
+                       "hybridpar.ir.analysis"),
     "hybridpar.plan.io": ("torch", *RUNTIME, *ABOVE_RUNTIME),
     "hybridpar.plan.validate": ("torch", *RUNTIME, *ABOVE_RUNTIME),
     "hybridpar.dims": ("torch", "hybridpar.plan"),
     "hybridpar.geometry": ("torch", "hybridpar.plan"),
     "hybridpar.simulate": ("torch", *RUNTIME, *ABOVE_RUNTIME),
-    "hybridpar.plan.analysis": (*RUNTIME, *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
+    "hybridpar.ir.analysis": ("hybridpar.plan", *RUNTIME, *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
     "hybridpar.models": (*RUNTIME, *ABOVE_RUNTIME, "hybridpar.data"),
     "hybridpar.data": (*RUNTIME, *ABOVE_RUNTIME, "hybridpar.plan", "hybridpar.models"),
-    "hybridpar.spatial": ("hybridpar.parallel", *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
-    "hybridpar.parallel": (*ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
+    "hybridpar.spatial": ("hybridpar.plan", "hybridpar.parallel", *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
+    "hybridpar.parallel": ("hybridpar.plan", *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
+    "hybridpar.parallel.apply": ("hybridpar.plan", *ABOVE_RUNTIME, "hybridpar.models", "hybridpar.data"),
     "hybridpar.train": ("torch", "hybridpar.calibrate", "hybridpar.cli", "hybridpar.demo"),
     "hybridpar.train.trainer": ("hybridpar.calibrate", "hybridpar.cli", "hybridpar.demo"),
     "hybridpar.cli": ("torch",),  # a command reads its flags and its config before torch loads (seconds)

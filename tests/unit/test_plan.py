@@ -14,12 +14,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from hybridpar.dims import ParallelDims
 from hybridpar.errors import GeometryError, PlanError
 from hybridpar.geometry import Window, plan_exchange, split_bounds
+from hybridpar.ir import rules
+from hybridpar.ir.rules import check_grid
 from hybridpar.models import gpt
-from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, rules, search_plans, validate
+from hybridpar.plan import Plan, analyse, cost, graph_of, plan, preset, search_plans, validate
 from hybridpar.plan.chains import Caches, best_chain, context, options_of
 from hybridpar.plan.cluster import ClusterSpec, Link
-from hybridpar.plan.options import check_grid, layer_options
-from hybridpar.plan.pricing import Problem, legal_starts, price
+from hybridpar.plan.options import layer_options
+from hybridpar.plan.pricing import Problem, price
 from hybridpar.plan.rates import ConvRate, OpRate
 from hybridpar.plan.search import EXPLAINED
 from hybridpar.plan.space import Constraints, Setting, meshes, micro_batch_counts
@@ -164,7 +166,7 @@ def test_fsdp_gathers_once_per_wrapped_block():
         model = gpt(num_layers=3, num_heads=4, d_model=32, seq_len=16, vocab_size=64)
     g = graph_of(model, torch.zeros(8, 16, dtype=torch.long))
     chain = best_chain(g, _ctx(g, small_cluster(4), grid=(1,), tp=1, micro_batch=2))
-    units = Units.of(chain, legal_starts(g, chain), g.block_index)
+    units = Units.of(chain, rules.legal_starts(g, lambda i: chain.layouts[i] != "R"), g.block_index)
     block = units.starts.index(next(i for i, layer in enumerate(g.layers) if layer.name == "blocks.1.ln_1"))
     weighted = sum(1 for o in chain.options[units.starts[block]:units.starts[block + 1]] if o.params)
     assert units.param_blocks[block] == 1 and weighted >= 6
@@ -390,7 +392,7 @@ def _brute_force_search(graph, spec, c):
                 chain = best_chain(graph, context(spec, c, dims, per_replica // m, sharding=z))
                 if rules.idle_tp_refusal(graph, tp, [o.strategy for o in chain.options]):
                     continue  # every tp rank would repeat all the work: not a plan
-                starts = legal_starts(graph, chain)[1:]
+                starts = rules.legal_starts(graph, lambda i: chain.layouts[i] != "R")[1:]
                 for ckpt in c.checkpointing:
                     for cuts in itertools.combinations(starts, pp - 1):
                         step, memory, _ = price(problem, dims, Setting(m, z, ckpt), chain, cuts)
@@ -503,7 +505,7 @@ def test_validation_refuses_a_stage_inside_a_skip():
     cat = next(layer for layer in g.layers if layer.kind == "cat")
     inside = g.layers[cat.index - 1].name
     hand = Plan(dp=1, pp=2, micro_batches=2, global_batch=2, stages=(inside,))
-    with pytest.raises(PlanError, match=f"a stage cannot start at layer '{inside}'"):
+    with pytest.raises(PlanError, match=f"a stage cannot start at '{inside}': 2 tensors that need a gradient cross"):
         validate(hand, g, small_cluster(2, per_node=2))
 
 
@@ -584,7 +586,7 @@ def test_pipeline_schedules_are_priced():
     assert interleaved.step_time < one.step_time
     with pytest.raises(PlanError, match="interleaved-1f1b with pp=2 needs a multiple of 2 stages"):
         validate(Plan(**base, stages=("blocks.1.ln_1", "blocks.2.ln_1"), schedule="interleaved-1f1b"), g, spec)
-    with pytest.raises(PlanError, match="a stage cannot start at layer 'blocks.1.attn.qkv'"):
+    with pytest.raises(PlanError, match="a stage cannot start at 'blocks.1.attn.qkv': stages start where a block"):
         validate(Plan(**base, stages=("blocks.1.attn.qkv",)), g, spec)
 
 

@@ -11,10 +11,12 @@ import torch
 import torch.nn as nn
 
 from hybridpar.errors import PlanError
+from hybridpar.ir import rules
+from hybridpar.ir.check import check_strategies
+from hybridpar.ir.types import Plan
 from hybridpar.parallel.plan_check import check_plan
-from hybridpar.parallel.tensor import check_strategies, pair_strategies
-from hybridpar.plan import check_grid, graph_of, rules
-from hybridpar.plan.types import Plan
+from hybridpar.parallel.tensor import pair_strategies
+from hybridpar.plan import check_grid, graph_of
 from support.models import TinyUNet
 
 transformers = pytest.importorskip("transformers")

@@ -164,7 +164,7 @@ def _op_steps(make, key: tuple[bool, bool], dtype: torch.dtype, device: torch.de
     """The op of the (last) layer ``make(key)`` builds and the bytes its forward reads and writes, both as
     the planner's model analysis sees them, and two timed functions, each with those bytes: its forward; its
     backward (the gradients of the input and of any weight, on a forward kept for it)."""
-    from hybridpar.plan.analysis import analyse
+    from hybridpar.ir.analysis import analyse
 
     module, shape = make(key)
     module = module.to(dtype)

@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 from hybridpar.errors import HybridparError
+from hybridpar.ir.analysis import input_dtype_of
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.models.gpt import GPT_PRESETS, gpt
 from hybridpar.models.unet3d import unet3d
-from hybridpar.plan.analysis import input_dtype_of
 
 VOLUME_MODELS = ("cosmoflow", "unet3d")
 
@@ -28,7 +28,7 @@ def build_for_planning(name: str, input_shape: tuple[int, ...],
     ``cosmoflow`` takes its edge and channels from ``(N, C, S, S, S)``; ``unet3d`` its channels; a GPT preset
     takes token ids ``(B, T)``; ``pkg.module:factory`` is called with no arguments and gets an input of
     ``input_dtype``: ``auto`` gives token ids (zeros) to a model whose first module is an ``nn.Embedding``
-    (``hybridpar.plan.analysis.input_dtype_of``), a float volume or sequence to any other.
+    (``hybridpar.ir.analysis.input_dtype_of``), a float volume or sequence to any other.
     """
     with torch.device("meta"):
         if name == "cosmoflow":

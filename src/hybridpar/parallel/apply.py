@@ -4,7 +4,7 @@ The order (each step only where the plan asks for it):
 
 1. **check** everything that can be wrong (mesh against plan, layer names and strategies, divisibility,
    heads, splits followed to every reader, shared parameters, the spatial grid, pipeline cuts and what
-   crosses them, batch sizes) by the rules the planner reads (``hybridpar.plan.rules``), identically on
+   crosses them, batch sizes) by the rules the planner reads (``hybridpar.ir.rules``), identically on
    every rank and before any communication;
 2. **pipeline stages**: this rank's stage module(s), cut between the model's blocks (``parallel.pipeline``);
    without pipelining, the model itself;
@@ -35,14 +35,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import PlanError
 from hybridpar.geometry import Grid
+from hybridpar.ir.analysis import blocks
+from hybridpar.ir.check import Checked, replica_batch
+from hybridpar.ir.types import Plan
 from hybridpar.mesh import build_mesh, device_of, flat_mesh
 from hybridpar.parallel import pipeline
 from hybridpar.parallel.data import data_parallel
 from hybridpar.parallel.model import ParallelModel
-from hybridpar.parallel.plan_check import Checked, check_mesh, check_plan, holding_stages, replica_batch
+from hybridpar.parallel.plan_check import check_mesh, check_plan
 from hybridpar.parallel.tensor import apply_splits
-from hybridpar.plan.analysis import blocks
-from hybridpar.plan.types import Plan
 
 BATCH_NORM_SCOPES = {"global": ("dp", "spatial"), "spatial": ("spatial",)}  # the mesh axes of the statistics
 
@@ -60,12 +61,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     if batch_norm not in BATCH_NORM_SCOPES:
         raise PlanError(f"batch_norm = {batch_norm!r}: use one of {', '.join(BATCH_NORM_SCOPES)}")
     checked = check_plan(model, plan, example_input)
-    graph, groups = checked.graph, checked.groups
+    graph, groups = checked.graph, [list(g) for g in checked.groups]
     shape = graph.input_shape
     grid = plan.grid if math.prod(plan.spatial) > 1 else Grid((1,) * max(len(shape) - 2, 1))  # one part per dim
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     params = {name for name, _ in model.named_parameters()}
-    stages = holding_stages(names, groups, plan.pp)
+    stages = checked.holders
     owners = {name: stage % plan.pp for name, stage in stages.items()}
     mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())  # the first collective
     check_mesh(plan, mesh)
@@ -81,12 +82,28 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
         manual_sync = manual_sync or manual
     schedule, loss_fn = None, _ScheduleLoss(loss_fn)
     if plan.pp > 1:
-        schedule = pipeline.build_schedule(modules, len(groups), plan.schedule, plan.micro_batches, loss_fn,
-                                           mesh["pp"].get_group(), device)
+        schedule = pipeline.build_schedule(modules, checked.micro_graph, groups, plan.schedule, plan.micro_batches,
+                                           loss_fn, mesh["pp"].get_group(), device, _local_shape(plan, grid, mesh))
     tied = _tied_groups([names for names in graph.shared if len({stages.get(n) for n in names}) > 1]
                         if plan.pp > 1 else [], stages, mesh, plan.pp)
     batch = replica_batch(plan, shape[0])
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch, tied)
+
+
+def _local_shape(plan: Plan, grid: Grid, mesh: DeviceMesh):
+    """What this rank holds of a tensor a pipeline stage exchanges, given its global shape, whether a layer made it
+    and whether it is a volume split in slabs: its slab (spatial parallelism), its share of the sequence (sequence
+    parallelism splits every activation the tp ranks would hold whole along its dim -2), or all of it."""
+    rank = mesh["spatial"].get_local_rank()
+
+    def local(shape: tuple[int, ...], made: bool, partitioned: bool) -> tuple[int, ...]:
+        if partitioned and grid.size > 1:
+            return tuple(shape[:2]) + tuple(b - a for a, b in grid.slab(tuple(shape[2:]), rank))
+        if plan.sequence_parallel and made:
+            return tuple(shape[:-2]) + (shape[-2] // plan.tp,) + tuple(shape[-1:])
+        return tuple(shape)
+
+    return local
 
 
 class _ScheduleLoss:

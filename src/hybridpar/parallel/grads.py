@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridpar.ir.types import BUCKET_BYTES
 from hybridpar.parallel.state import original_name
-from hybridpar.plan.types import BUCKET_BYTES
 
 
 def buckets(tensors: list[torch.Tensor]):

@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybridpar.ir.analysis import model_output
+from hybridpar.ir.types import Plan
 from hybridpar.mesh import device_of, flat_group
 from hybridpar.parallel.grads import all_reduce_gradients, sum_tied_gradients
-from hybridpar.parallel.pipeline import model_output
 from hybridpar.parallel.state import whole_tensors
-from hybridpar.plan.types import Plan
 
 
 class ParallelModel:

@@ -3,7 +3,7 @@ built by hand as ``PipelineStage``s, run by its GPipe, 1F1B or interleaved 1F1B 
 
 A model's *blocks* are its top-level children, with an ``nn.Sequential`` or ``nn.ModuleList`` expanded into
 its entries and a trunk that holds one (a Hugging Face ``model.model``) expanded into its own blocks
-(``hybridpar.plan.analysis.blocks``; a GPT: ``embed``, ``blocks.0`` ... ``ln_f``, ``lm_head``; a Llama:
+(``hybridpar.ir.analysis.blocks``; a GPT: ``embed``, ``blocks.0`` ... ``ln_f``, ``lm_head``; a Llama:
 ``model.embed_tokens``, ``model.rotary_emb``, ``model.layers.0`` ..., ``model.norm``, ``lm_head``). A stage
 holds a run of them and runs **the model's own forward** on a copy of the model in which every block of
 another stage is skipped: it stands in with zeros of the shapes the block returns (``StandIn``; in a model
@@ -31,53 +31,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hybridpar import meta
 from hybridpar.errors import PlanError
-from hybridpar.plan import rules
-from hybridpar.plan.analysis import blocks
-from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.types import SCHEDULES as PLAN_SCHEDULES
-from hybridpar.plan.validate import check_stage_count, some
+from hybridpar.ir import meta, rules
+from hybridpar.ir.analysis import blocks, model_output
+from hybridpar.ir.graph import ModelGraph
+from hybridpar.ir.rules import some
+from hybridpar.ir.types import SCHEDULES as PLAN_SCHEDULES
 
 SCHEDULES = dict(zip(PLAN_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
-
-
-def stage_units(graph: ModelGraph, starts: tuple[str, ...], pp: int, schedule: str) -> list[list[str]]:
-    """The block names of each stage, for stages starting at the layers named in ``starts`` (the plan's
-    ``stages``: the first layer of each stage after the first); checked against the graph."""
-    check_stage_count(schedule, len(starts), pp)
-    num_stages = len(starts) + 1
-    names = list(graph.blocks)
-    if num_stages > len(names):
-        raise PlanError(f"{num_stages} pipeline stages, but {graph.name} has {len(names)} blocks "
-                        f"({some(names)}); use at most {len(names)} stages")
-    firsts = {graph.layers[i].name: b for b, i in graph.block_starts.items()}
-    bounds = [0]
-    for start in starts:
-        if start not in firsts:
-            raise PlanError(f"a stage cannot start at {start!r}: stages start where a block starts, at one of "
-                            f"{some(list(firsts))}")
-        block = firsts[start]
-        refused = rules.stage_cut_refusal(graph, block) if block > 0 else "it is the first block"
-        if refused:
-            raise PlanError(f"a stage cannot start at {start!r}: {refused}")
-        if block <= bounds[-1]:
-            raise PlanError(f"stage boundaries {list(starts)} must be distinct and in the model's order")
-        bounds.append(block)
-    bounds.append(len(names))
-    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def check_micro_batches(micro_batches: int, num_stages: int, pp: int, schedule: str) -> None:
-    """The micro-batch counts PyTorch's schedules take: 1F1B at least one per stage; interleaved 1F1B a
-    multiple of its rounds (``max(1, m // pp)``)."""
-    if schedule == "1f1b" and micro_batches < num_stages:
-        raise PlanError(f"micro_batches = {micro_batches}: 1F1B over {num_stages} stages needs at least "
-                        f"{num_stages}; use more micro-batches, or the gpipe schedule")
-    rounds = max(1, micro_batches // pp)
-    if schedule == "interleaved-1f1b" and micro_batches % rounds:
-        raise PlanError(f"micro_batches = {micro_batches}: interleaved 1F1B with pp={pp} needs a multiple of "
-                        f"{rounds}; use a multiple of {pp}")
 
 
 class StandIn(nn.Module):
@@ -93,26 +54,29 @@ class StandIn(nn.Module):
 
     def forward(self, *args, **kwargs):
         leaves = tree_flatten((args, kwargs))[0]
-        if self.run.graph.is_chain:  # the model is its blocks in a chain: pass the activation on
-            return next(t for t in leaves if isinstance(t, torch.Tensor))
+        if self.run.graph.is_chain:  # the model is its blocks in a chain: pass the activation on, as the block
+            # returns it (a dict, a tuple: the one tensor in it)
+            activation = next(t for t in leaves if isinstance(t, torch.Tensor))
+            return like_structure(self.run.calls[self.name][0].output, self.run.device, activation)
         call = self.run.next_call(self.name)
         for arg in call.args:
             if arg.value in self.run.wanted and arg.value not in self.run.caught:
                 self.run.caught[arg.value] = leaves[arg.leaf]
-        return zeros_like_structure(call.output, self.run.device)
+        return like_structure(call.output, self.run.device)
 
 
-def zeros_like_structure(structure: tuple, device: torch.device):
-    """Zeros shaped as ``structure`` (``hybridpar.plan.calls.structure``) describes."""
+def like_structure(structure: tuple, device: torch.device, tensor: torch.Tensor | None = None):
+    """What ``structure`` (``hybridpar.ir.calls.structure``) describes, its tensors zeros (or ``tensor``, in a
+    structure that holds one: a chain's activation passed on)."""
     kind, rest = structure[0], structure[1:]
     if kind == "tensor":
         shape, dtype, _ = rest
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+        return tensor if tensor is not None else torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
     if kind in ("tuple", "list"):
-        items = [zeros_like_structure(s, device) for s in rest[0]]
+        items = [like_structure(s, device, tensor) for s in rest[0]]
         return tuple(items) if kind == "tuple" else items
     if kind == "dict":
-        return {k: zeros_like_structure(v, device) for k, v in rest[0]}
+        return {k: like_structure(v, device, tensor) for k, v in rest[0]}
     return rest[0]
 
 
@@ -191,19 +155,6 @@ class StageRun:
         return sent[0] if len(sent) == 1 else sent
 
 
-def model_output(output) -> torch.Tensor:
-    """The tensor a model's output holds first: the output itself, or the logits of a Hugging Face
-    ``ModelOutput`` (its first tensor), or the first tensor of a tuple."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "to_tuple"):
-        output = output.to_tuple()
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise PlanError(f"the model returned {type(output).__name__} with no tensor in it; return the output tensor")
-    return tensors[0]
-
-
 def stage_module(model: nn.Module, graph: ModelGraph, groups: list[list[str]], stage: int,
                  device: torch.device) -> tuple[nn.Module, StageRun]:
     """A copy of ``model`` for stage ``stage`` of ``groups`` (the block names of each stage), in which the blocks
@@ -219,14 +170,17 @@ def connect(module: nn.Module, run: StageRun) -> None:
     """The hooks through which a stage module takes what the previous stage sent and returns what the next one
     needs (``StageRun``): on the module, and on each block it holds. A chain of blocks (``ModelGraph.is_chain``)
     needs none: its stage takes the previous stage's output as its input, the skipped blocks pass it on."""
-    if run.graph.is_chain:
+    if run.graph.is_chain:  # what the model returns (a dict, a ModelOutput) is the activation in it
+        module.register_forward_hook(lambda m, args, output: model_output(output))
         return
     module.register_forward_pre_hook(run.before, with_kwargs=True)
     module.register_forward_hook(run.after, with_kwargs=True)
     for name, block in blocks(module):
         if name in run.held:
             block.hp_block = name
-            block.register_forward_pre_hook(run.substitute, with_kwargs=True)
+            # first: a held block that is itself split (a head cut off at lm_head) converts its input to a DTensor
+            # in a hook of its own, which must see what the previous stage sent
+            block.register_forward_pre_hook(run.substitute, with_kwargs=True, prepend=True)
 
 
 def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -> None:
@@ -256,10 +210,20 @@ def stages_of_rank(num_stages: int, pp: int, rank: int) -> list[int]:
     return list(range(rank, num_stages, pp))
 
 
-def build_schedule(modules: dict[int, nn.Module], num_stages: int, schedule: str, micro_batches: int,
-                   loss_fn, group, device: torch.device):
-    """The plan's ``schedule`` over this rank's stage ``modules`` (``{stage index: module}``)."""
-    stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in modules.items()]
+def build_schedule(modules: dict[int, nn.Module], graph: ModelGraph, groups: list[list[str]], schedule: str,
+                   micro_batches: int, loss_fn, group, device: torch.device, local):
+    """The plan's ``schedule`` over this rank's stage ``modules`` (``{stage index: module}``). Each stage is told what
+    it takes and returns (``rules.stage_io`` for one micro-batch, ``graph``; ``local(shape, made by a layer,
+    partitioned)``: what this rank holds of a tensor of that global shape), so that the stages exchange no metadata
+    and run no forward to find it, and the loss is computed on the real micro-batches only."""
+    io = rules.stage_io(graph, groups)
+
+    def examples(metas):
+        return tuple(torch.empty(local(shape, made, part), dtype=getattr(torch, dtype), device=device)
+                     .requires_grad_(grad) for shape, dtype, grad, made, part in metas)
+
+    stages = [PipelineStage(module, index, len(groups), device, input_args=examples(io[index][0]),
+                            output_args=examples(io[index][1]), group=group) for index, module in modules.items()]
     if schedule == "interleaved-1f1b":
         return SCHEDULES[schedule](stages, micro_batches, loss_fn=loss_fn)
     return SCHEDULES[schedule](stages[0], micro_batches, loss_fn=loss_fn)

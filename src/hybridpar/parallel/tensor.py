@@ -14,7 +14,7 @@ shard       split -> split        a pointwise layer, pooling, concatenation, sof
                                   rank's heads, as it comes
 ==========  ====================  ======================================================================
 
-What is exact is decided by ``hybridpar.plan.rules``, which the planner reads too: a split is followed from
+What is exact is decided by ``hybridpar.ir.rules``, which the planner reads too: a split is followed from
 the layer that makes it through every view to each reader (a column layer's features become attention
 heads after a reshape; a rotary table of one value per head broadcasts over them), and the runtime makes two
 layout changes: a column layer gathers its output for readers that read it whole, a row layer slices a
@@ -30,18 +30,18 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from hybridpar.errors import PlanError
+from hybridpar.ir import rules
+from hybridpar.ir.check import check_strategies
+from hybridpar.ir.graph import ModelGraph
+from hybridpar.ir.rules import TP_STRATEGIES, Split
 from hybridpar.parallel.channels import channel_parallel, filter_parallel
-from hybridpar.plan import rules
-from hybridpar.plan.graph import INPUT, ModelGraph
-from hybridpar.plan.rules import LAYOUTS, TP_STRATEGIES, WHOLE
 
 
 def pair_strategies(graph: ModelGraph, *, tp: int, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -71,7 +71,8 @@ def pair_strategies(graph: ModelGraph, *, tp: int, overrides: Mapping[str, str] 
 def _found(graph: ModelGraph, tp: int) -> dict[str, str]:
     """The regions in order (a region that overlaps one taken is left out), then the embeddings by rows and the
     output layer by columns where they stand alone; where layers that share a parameter would split it
-    unalike, they replicate, and so do the regions they were in."""
+    unalike, the regions they were in replicate, and they split alone alike where each can (a head tied to the
+    embedding: the vocabulary split, Megatron's way), else replicate."""
     strategies: dict[str, str] = {}
     region_of: dict[str, list[str]] = {}
     for region in rules.regions(graph, tp) if tp > 1 else ():
@@ -93,19 +94,11 @@ def _found(graph: ModelGraph, tp: int) -> dict[str, str]:
             for user in users:
                 for name in region_of.get(user.name, [user.name]):
                     strategies.pop(name, None)
+            alike = {u.name: next((s for s in rules.standalone(u, tp) if rules.weight_split(u, s) == "dim0"), None)
+                     for u in users}
+            if all(alike.values()) and not any(u.name in strategies for u in users):
+                strategies.update(alike)
     return strategies
-
-
-@dataclass(frozen=True)
-class Split:
-    """What ``apply_splits`` does to one module: its strategy, and the layout changes at its edges."""
-
-    strategy: str
-    gather_output: bool = False  # a column layer whose readers need its output whole
-    slice_input: bool = False  # a row layer fed a whole tensor
-    kind: str = "linear"  # linear, embedding, conv, norm (sequence parallelism), or op (nothing to split)
-    input_seq: int | None = None  # sequence parallelism: the input arrives split along this dim
-    output_seq: int | None = None  # sequence parallelism: the output leaves split along this dim
 
 
 def tensor_parallel(model: nn.Module, strategies: Mapping[str, str], mesh: DeviceMesh, graph: ModelGraph, *,
@@ -148,11 +141,19 @@ def apply_splits(model: nn.Module, splits: Mapping[str, Split], mesh: DeviceMesh
 
 
 def _tie(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Every name of one parameter (``names``: a weight tied to another layer's, a bias registered on a head and on
+    its decoder) points at one tensor again: the split one, where DTensor split it under one of its names (the
+    users that split it split it alike: ``rules.check_shared``), so that a name the split did not reach (a module
+    the forward never calls, a parent that registers its child's bias) does not keep the whole tensor beside it."""
     held = [n for n in names if _has_parameter(model, n)]
-    for name in held[1:]:
+    if not held:
+        return
+    tensors = [model.get_parameter(n) for n in held]
+    one = next((t for t in tensors if isinstance(t, DTensor)), tensors[0])
+    for name in held:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        owner.register_parameter(leaf, model.get_parameter(held[0]))
+        owner.register_parameter(leaf, one)
 
 
 def _has_parameter(model: nn.Module, name: str) -> bool:
@@ -182,58 +183,3 @@ def _style(split: Split):
                            output_layouts=Replicate() if split.output_seq is None else Shard(split.output_seq))
 
 
-def check_strategies(strategies: Mapping[str, str], graph: ModelGraph, tp: int, *, sequence_parallel: bool = False,
-                     spatial: bool = False, sharded: bool = False) -> dict[str, Split]:
-    """Every check ``tensor_parallel`` makes, with no communication (the same answer on every rank): the rules
-    the planner reads too (``rules.check_assignment``, ``rules.check_shared``: names, strategies, module
-    types, divisibility, heads, and the split followed through views to every reader); with
-    ``sequence_parallel``, that the replicated layers can run on sequence shards (``_sequence_splits``)."""
-    for name, strategy in strategies.items():
-        graph.index_of(name)
-        if strategy not in TP_STRATEGIES:
-            raise PlanError(f"layer {name!r}: tensor-parallel strategy {strategy!r}; use one of "
-                            f"{', '.join(TP_STRATEGIES)} (or leave the layer out to replicate it)")
-    found = rules.check_assignment(graph, strategies, tp, spatial=spatial, sharded=sharded)
-    rules.check_shared(graph, strategies)
-    splits = {}
-    for i, (gather, sliced, _) in found.items():
-        layer = graph.layers[i]
-        kind = layer.kind if layer.kind in rules.SPLITTABLE and layer.exact else "op"
-        splits[layer.name] = Split(strategies[layer.name], gather, sliced, kind=kind)
-    wanted = [strategies.get(layer.name, "replicate") for layer in graph.layers]
-    return _sequence_splits(graph, wanted, splits) if sequence_parallel else splits
-
-
-def _sequence_splits(graph: ModelGraph, wanted: list[str], splits: dict[str, Split]) -> dict[str, Split]:
-    """Sequence parallelism (Korthikanti et al. 2022): every tensor that the plan keeps whole over tp is
-    split along its sequence dim (``-2`` of ``(B, T, d)``) instead; column layers gather the sequence
-    (all-gather), row layers and embeddings scatter their summed output along it (reduce-scatter), norms
-    run as DTensor ``SequenceParallel``. So every replicated layer must work token by token, the model input
-    may feed only row-split embeddings, and the model's output must come gathered from a column layer."""
-    out = dict(splits)
-    for layer, strategy in zip(graph.layers, wanted):
-        readers = graph.consumers[layer.index]
-        if strategy == "replicate":
-            if layer.kind not in rules.TOKEN_WISE or not readers:
-                why = "it is the model's output" if not readers else f"it is not token-wise ({layer.kind})"
-                raise PlanError(f"layer {layer.name!r} ({layer.op}) is replicated, so sequence parallelism would "
-                                f"run it on a sequence shard, but {why}; split it, or turn sequence_parallel off")
-            if layer.is_module and layer.num_params:
-                out[layer.name] = Split("replicate", kind="norm", input_seq=len(layer.in_shape) - 2)
-            continue
-        split = out.get(layer.name)
-        if strategy == "shard" or split is None:
-            continue  # heads, activations: feature-split tensors, as without sequence parallelism
-        if INPUT in layer.inputs and not (split.kind == "embedding" and strategy == "row"):
-            raise PlanError(f"layer {layer.name!r} reads the model input; with sequence_parallel only "
-                            "embeddings split by rows may (their output leaves split along the sequence)")
-        if split.kind not in ("linear", "embedding") or (split.slice_input and split.kind == "linear"):
-            raise PlanError(f"layer {layer.name!r} ({layer.op}, {strategy}): sequence parallelism splits Linear "
-                            "and Embedding layers fed split features; turn sequence_parallel off")
-        fields = {}
-        if strategy == "column" and INPUT not in layer.inputs and layer.inputs:
-            fields["input_seq"] = len(layer.in_shape) - 2
-        if LAYOUTS[strategy][1] == WHOLE or split.gather_output:
-            fields["output_seq"] = len(layer.out_shape) - 2 if readers else None
-        out[layer.name] = replace(split, **fields)
-    return out

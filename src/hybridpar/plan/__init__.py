@@ -12,13 +12,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from hybridpar.errors import HybridparError, PlanError
+from hybridpar.ir.graph import Layer, ModelGraph
+from hybridpar.ir.rules import check_grid
+from hybridpar.ir.types import SCHEMA_VERSION, Plan, Prediction
 from hybridpar.plan.cluster import PRESETS, ClusterSpec, Link, preset
-from hybridpar.plan.graph import Layer, ModelGraph
 from hybridpar.plan.mixed import MixedCluster, priced, sized_plan
-from hybridpar.plan.options import check_grid
 from hybridpar.plan.search import SearchResult, search
 from hybridpar.plan.space import Constraints
-from hybridpar.plan.types import SCHEMA_VERSION, Plan, Prediction
 from hybridpar.plan.validate import validate as validate_on
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def _graph(model: nn.Module | ModelGraph, example_input, dtype: str) -> ModelGra
     """A graph as given, or the model analysed (``analysis.graph_of``: the one place the planner imports torch)."""
     if isinstance(model, ModelGraph):
         return model
-    from hybridpar.plan.analysis import graph_of
+    from hybridpar.ir.analysis import graph_of
 
     return graph_of(model, example_input, dtype)
 
@@ -163,7 +163,7 @@ def _other_batch(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> lis
 
 def __getattr__(name: str):
     if name in LAZY:
-        from hybridpar.plan import analysis
+        from hybridpar.ir import analysis
 
         return getattr(analysis, name)
     raise AttributeError(f"module 'hybridpar.plan' has no attribute {name!r}")

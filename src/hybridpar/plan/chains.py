@@ -11,9 +11,10 @@ import math
 from dataclasses import dataclass, field
 
 from hybridpar.dims import ParallelDims
-from hybridpar.plan import cost, rules
+from hybridpar.ir import rules
+from hybridpar.ir.graph import ModelGraph
+from hybridpar.plan import cost
 from hybridpar.plan.cluster import ClusterSpec
-from hybridpar.plan.graph import ModelGraph
 from hybridpar.plan.options import MeshContext, Option, R, S, layer_options, redistribution, strategies
 from hybridpar.plan.space import Constraints
 

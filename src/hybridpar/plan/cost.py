@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridpar.ir.types import BUCKET_BYTES
 from hybridpar.plan.cluster import ClusterSpec, Link
-from hybridpar.plan.types import BUCKET_BYTES
 
 CONV_KINDS = frozenset({"conv", "conv_transpose"})
 MATMUL_KINDS = frozenset({"linear", "attention", "embedding"})

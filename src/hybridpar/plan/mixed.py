@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, replace
 
 from hybridpar.errors import ClusterError, PlanError
+from hybridpar.ir.rules import check_grid
+from hybridpar.ir.types import Plan
 from hybridpar.plan import sizing
 from hybridpar.plan.cluster import ClusterSpec
-from hybridpar.plan.options import check_grid
-from hybridpar.plan.types import Plan
 from hybridpar.plan.validate import validate
 
 

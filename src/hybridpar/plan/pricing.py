@@ -8,14 +8,15 @@ import math
 from dataclasses import dataclass, field
 
 from hybridpar.dims import ParallelDims
-from hybridpar.plan import cost, rules
+from hybridpar.ir import rules
+from hybridpar.ir.graph import ModelGraph
+from hybridpar.ir.types import Plan, Prediction
+from hybridpar.plan import cost
 from hybridpar.plan.chains import Caches, Chain, best_chain, context, options_of
 from hybridpar.plan.cluster import ClusterSpec
-from hybridpar.plan.graph import ModelGraph
 from hybridpar.plan.options import MeshContext, R
 from hybridpar.plan.space import Constraints, Setting, micro_batch_counts
 from hybridpar.plan.stages import StageCosts, StageSetting, Units, best_cuts
-from hybridpar.plan.types import Plan, Prediction
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,9 @@ class Problem:
                             cost.Group.of(cluster, dims.pp, dims.dp * s * dims.tp).link, schedule)
 
 
-def legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
-    """Layers a stage may start at: 0, and each of the graph's stage starts (a block's first layer where the rules
-    allow a cut) where everything that crosses is whole over tp (``rules.crossing_sources``; a graph built by
-    hand, without blocks: the layer before)."""
-    if not graph.blocks:
-        return [0] + [i for i in graph.stage_starts if chain.layouts[i - 1] == R]
-    sources = rules.crossing_sources(graph)
-    block_of = {first: b for b, first in graph.block_starts.items()}
-    return [0] + [i for i in graph.stage_starts if all(chain.layouts[p] == R for p in sources[block_of[i]])]
+def _legal_starts(graph: ModelGraph, chain: Chain) -> list[int]:
+    """Layers a stage may start at (``rules.legal_starts``) where ``chain`` leaves what crosses whole over tp."""
+    return rules.legal_starts(graph, lambda i: chain.layouts[i] != R)
 
 
 def price(p: Problem, dims: ParallelDims, setting: Setting, chain: Chain, cuts: tuple[int, ...], *,
@@ -73,7 +68,7 @@ def price(p: Problem, dims: ParallelDims, setting: Setting, chain: Chain, cuts: 
     """Step time, memory per pipeline rank and exposed communication by kind (with ``compute``, all on the
     slowest stage) of one fully specified candidate; ``cuts`` are the layers that start stages 2..S (``S =
     pp``, or a multiple of it under interleaved 1F1B, where rank ``r`` holds stages ``r, r + pp, ...``)."""
-    units = units or Units.of(chain, legal_starts(p.graph, chain), p.graph.block_index)
+    units = units or Units.of(chain, _legal_starts(p.graph, chain), p.graph.block_index)
     starts = list(units.starts)
     costs = StageCosts(units, p.stage_setting(dims, setting, schedule, len(cuts) + 1))
     index = [starts.index(b) for b in cuts]
@@ -127,7 +122,7 @@ def _chain(p: Problem, dims: ParallelDims, micro_batch: int, sharding: int) -> t
             p.cache.units[ctx] = plain
         else:
             chain = best_chain(p.graph, ctx, p.cache)
-            p.cache.units[ctx] = (chain, Units.of(chain, legal_starts(p.graph, chain), p.graph.block_index))
+            p.cache.units[ctx] = (chain, Units.of(chain, _legal_starts(p.graph, chain), p.graph.block_index))
     return p.cache.units[ctx]
 
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from hybridpar.dims import ParallelDims
 from hybridpar.errors import PlanError
+from hybridpar.ir.graph import ModelGraph
+from hybridpar.ir.rules import check_grid
+from hybridpar.ir.types import Plan
 from hybridpar.plan.cluster import ClusterSpec
-from hybridpar.plan.graph import ModelGraph
-from hybridpar.plan.options import check_grid
 from hybridpar.plan.pricing import Candidate, Problem, evaluate, layer_floor, mesh_floor, settings_of
 from hybridpar.plan.space import Constraints, family, meshes
-from hybridpar.plan.types import Plan
 
 EXPLAINED = 2.0  # families of strategies whose best is within this factor of the fastest are priced exactly
 

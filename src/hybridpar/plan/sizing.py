@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 
 from hybridpar.errors import PlanError
-from hybridpar.plan.types import Plan
+from hybridpar.ir.types import Plan
 
 WEIGHT_SCALE = 1000  # weights are whole numbers: speeds to three digits
 MIN_GAIN = 0.05  # a new split must cut the predicted step by this fraction: no re-plan for a rounding's worth

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridpar.dims import ParallelDims
-from hybridpar.plan.graph import ModelGraph
+from hybridpar.ir.graph import ModelGraph
 
 SHARDING_LEVELS = (0, 1, 2, 3)
 FAMILY_ORDER = ("dp", "spatial", "tp", "pp")  # the order of the kinds of parallelism in a family's name

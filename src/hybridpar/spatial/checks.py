@@ -2,7 +2,7 @@
 layers is checked during the (meta-device) trace, so code that would compute something else on a
 slab than on the whole volume raises a ``UnsupportedModuleError`` naming the module and the fix.
 
-What is allowed on partitioned tensors is ``hybridpar.plan.rules.spatial_refusals`` (the planner's analysis
+What is allowed on partitioned tensors is ``hybridpar.ir.rules.spatial_refusals`` (the planner's analysis
 reads the same rules): pointwise arithmetic and activations (with broadcasting that does not stretch a split
 dim), concatenation along batch or channels, channel slicing, softmax over channels, ``linear`` when the
 last dim is not split, element-wise dropout, padding and repeats that leave the split dims alone, and
@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.errors import UnsupportedModuleError
-from hybridpar.plan import rules
+from hybridpar.ir import rules
 
 PARTITIONED = "partitioned"
 REPLICATED = "replicated"
@@ -51,7 +51,7 @@ class TraceState:
 
 class Checker(TorchFunctionMode):
     """Checks and propagates partitioned / replicated status through unconverted code, by the rules the
-    planner's analysis applies too (``hybridpar.plan.rules.spatial_refusals``)."""
+    planner's analysis applies too (``hybridpar.ir.rules.spatial_refusals``)."""
 
     def __init__(self, state: TraceState):
         super().__init__()

@@ -17,11 +17,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
-from hybridpar import meta
 from hybridpar.errors import GeometryError, MeshError, UnsupportedModuleError
 from hybridpar.geometry import Grid
+from hybridpar.ir import meta, rules
 from hybridpar.mesh import flat_group
-from hybridpar.plan import rules
 from hybridpar.spatial import checks
 from hybridpar.spatial.base import SpatialLayer
 from hybridpar.spatial.checks import PARTITIONED, REPLICATED

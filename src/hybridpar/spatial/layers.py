@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hybridpar.errors import UnsupportedModuleError
 from hybridpar.geometry import DimExchange, plan_exchange
-from hybridpar.plan import rules
+from hybridpar.ir import rules
 from hybridpar.spatial import collectives
 from hybridpar.spatial.base import Halos, SpatialLayer, Statistics, as_tuple, out_slab
 from hybridpar.spatial.checks import REPLICATED
@@ -175,6 +175,6 @@ SPATIAL_CLASSES = {"Conv": SpatialConv, "ConvTranspose": SpatialConvTranspose, "
                    "AdaptiveMaxPool": SpatialGlobalPool,
                    "BatchNorm": SpatialBatchNorm, "InstanceNorm": SpatialInstanceNorm, "GroupNorm": SpatialGroupNorm,
                    "Upsample": SpatialUpsample, "Flatten": SpatialFlatten, "Dropout": SpatialDropout}
-# the torch.nn classes the rules name (``hybridpar.plan.rules.SPATIAL_MODULES``), each with its spatial version
+# the torch.nn classes the rules name (``hybridpar.ir.rules.SPATIAL_MODULES``), each with its spatial version
 LAYERS: dict[type, type] = {getattr(nn, name): SPATIAL_CLASSES[re.sub(r"[123]d$", "", name)]
                             for name in sorted(rules.SPATIAL_MODULES)}

@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch.nn as nn
 
 from hybridpar.errors import ClusterError, ConfigError, MeshError, PlanError
+from hybridpar.ir.analysis import graph_of
+from hybridpar.ir.graph import ModelGraph
 from hybridpar.plan import Plan, check_grid, cluster_of, sizing
 from hybridpar.plan import plan as search_best
-from hybridpar.plan.analysis import graph_of
 from hybridpar.plan.cluster import GiB
-from hybridpar.plan.graph import ModelGraph
 from hybridpar.train.config import Config
 
 PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from hybridpar.data.tokens import MarkovTokens
+from hybridpar.ir.analysis import DTYPES
 from hybridpar.models.gpt import lm_loss
 from hybridpar.parallel.apply import parallelize
 from hybridpar.plan import Plan
-from hybridpar.plan.analysis import DTYPES
 from hybridpar.train import planning
 from hybridpar.train.agree import mean_over_dp
 from hybridpar.train.config import Config, model_factory, model_options

@@ -18,10 +18,10 @@ from hybridpar import spatial
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
 from hybridpar.data.loader import steps_per_epoch
 from hybridpar.errors import ConfigError
+from hybridpar.ir.analysis import DTYPES
 from hybridpar.mesh import flat_group
 from hybridpar.parallel.apply import parallelize
 from hybridpar.plan import Plan
-from hybridpar.plan.analysis import DTYPES
 from hybridpar.train import planning
 from hybridpar.train.agree import agreed, check_same_data, gather
 from hybridpar.train.config import Config, model_factory, model_options

@@ -5,9 +5,11 @@ output, a row layer slices its input), and what shares a parameter (``check_shar
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from hybridpar.errors import PlanError
-from hybridpar.plan.rules.slabs import SOFTMAX
+from hybridpar.ir.rules.slabs import SOFTMAX
+from hybridpar.ir.rules.views import local_view_shape
 
 TP_STRATEGIES = ("replicate", "column", "row", "shard")
 SPLITTABLE = frozenset({"linear", "embedding", "conv"})  # column / row: exact nn.Linear, nn.Embedding, ConvNd
@@ -137,12 +139,38 @@ def _read_split(graph, layer, read, split: dict[int, int], tp: int) -> int | Non
     at = split[read.source]
     carried = [j for j, d in enumerate(read.dims) if d == at]
     if carried and read.blocks[carried[0]] % tp == 0:
+        _check_views(graph, layer, read, at, tp)
         return carried[0]
     source = graph.layers[read.source].name
     how = (f"as a dim of size {read.shape[carried[0]]} in blocks of {read.blocks[carried[0]]}, which do not split "
            f"into {tp}" if carried else "through a view that cuts that dim or mixes it into another")
     raise PlanError(f"layer {layer.name!r} reads {source!r}'s output, split over tp along its dim {at}, {how}; "
                     f"use a tensor-parallel degree that divides it, or replicate {source!r}")
+
+
+def _check_views(graph, layer, read, at: int, tp: int) -> None:
+    """Each view on the way from the split output to ``layer`` (``read.views``) given sizes literally must give on a
+    rank's part what it gives on the whole, split alike: a view whose sizes fix the split dim's size (``view(b, -1,
+    heads, d)`` with the head count from the config) would read a rank's features as other positions."""
+    for view in read.views:
+        if at is None:
+            return
+        after = view.where.index(at) if at in view.where else None
+        if view.sizes is not None and after is not None:
+            local_in = tuple(n // tp if d == at else n for d, n in enumerate(view.in_shape))
+            expected = tuple(n // tp if j == after else n for j, n in enumerate(view.out_shape))
+            got = local_view_shape(view.op, view.sizes, local_in)
+            if got != expected:
+                source = graph.layers[read.source].name
+                given = ", ".join("_" if v is None else str(v) for v in view.sizes)
+                where = f"the forward of {view.module!r}" if view.module else "the model's forward"
+                gives = f"gives {got}" if got is not None else "does not fit it"
+                raise PlanError(
+                    f"layer {layer.name!r} reads {source!r}'s output, split over tp={tp}, through {view.op}({given}) "
+                    f"in {where}: on a rank's part {local_in} it {gives}, not {expected}, since its sizes fix the "
+                    f"size of the split dim {after} at {view.out_shape[after]}; give that size as -1 (or compute "
+                    f"it from the tensor's shape), or replicate {source!r}")
+        at = after
 
 
 def _layer_split(graph, layer, strategy: str, dims: list) -> tuple[int | None, bool]:
@@ -271,3 +299,20 @@ def check_shared(graph, strategies) -> None:
 
 def _aliases(names) -> str:
     return f" (also {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+
+
+@dataclass(frozen=True)
+class Split:
+    """What ``apply_splits`` does to one module: its strategy, and the layout changes at its edges."""
+
+    strategy: str
+    gather_output: bool = False  # a column layer whose readers need its output whole
+    slice_input: bool = False  # a row layer fed a whole tensor
+    kind: str = "linear"  # linear, embedding, conv, norm (sequence parallelism), or op (nothing to split)
+    input_seq: int | None = None  # sequence parallelism: the input arrives split along this dim
+    output_seq: int | None = None  # sequence parallelism: the output leaves split along this dim
+
+    @property
+    def leaves_split(self) -> bool:
+        """Whether the layer's output leaves split over tp: a shard layer's, a column layer's that is not gathered."""
+        return self.strategy == "shard" or (self.strategy == "column" and not self.gather_output)

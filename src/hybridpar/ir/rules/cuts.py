@@ -162,3 +162,23 @@ def stage_interfaces(graph, groups: list[list[str]]) -> list[StageInterface]:
         receives.append(sorted({p[0] for p in _crossing(graph, b)}))
     return [StageInterface(tuple(receives[s]), tuple(receives[s + 1]) if s + 1 < len(receives) else ())
             for s in range(len(receives))]
+
+
+def stage_io(graph, groups: list[list[str]]) -> list[tuple[tuple, tuple]]:
+    """For each stage of ``groups``, what it takes and what it returns, each ``(shape, dtype, requires_grad, made by
+    a layer, partitioned)`` as the analysis saw it (global shapes; ``partitioned``: a volume split in slabs): the first
+    stage the model input, the others what the stage before sends (``stage_interfaces``); the last stage the tensor
+    a loss reads (``ModelGraph.output``), the others what they send. A pipeline's stages exchange these without
+    running a forward to find them."""
+    metas = {a.value: (a.shape, a.dtype, a.requires_grad, a.source >= 0, a.partitioned)
+             for call in graph.block_calls for a in call.args}
+    interfaces = stage_interfaces(graph, groups)
+    first = ((graph.input_shape, graph.input_dtype, False, False, graph.spatial_ndim > 0),)
+    shape, dtype, grad, partitioned = graph.output
+    last = ((shape, dtype, grad, False, partitioned),)
+    out = []
+    for s, face in enumerate(interfaces):
+        inputs = first if s == 0 else tuple(metas[v] for v in face.receives)
+        outputs = last if s == len(interfaces) - 1 else tuple(metas[v] for v in face.sends)
+        out.append((inputs, outputs))
+    return out

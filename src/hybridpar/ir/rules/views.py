@@ -127,3 +127,58 @@ def _indexed(src: tuple, in_shape: tuple[int, ...], index, m: int) -> tuple:
             dim += 1
     out.extend(src[dim:])
     return tuple(out)
+
+
+def view_sizes(name: str, args: tuple, kwargs: dict) -> tuple[int | None, ...] | None:
+    """The sizes a view is given literally, one per output dim (``None``: the input's own size, ``-1``: inferred),
+    for the views that take sizes (``view``, ``reshape``, ``unflatten``, ``expand``); ``None`` for a view that
+    takes none (a transpose, ``view_as``, a ``view`` to another dtype). At run time an input split over ranks
+    reaches such a view with a part of its size while the literal sizes stay: ``local_view_shape`` says what it
+    then gives."""
+    if name in ("view", "reshape"):
+        sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else \
+            (args[1] if len(args) == 2 else kwargs.get("shape", kwargs.get("size")))
+        sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else None
+        return sizes if sizes is not None and all(isinstance(v, int) for v in sizes) else None
+    if name == "unflatten":
+        dim, sizes = call_arg(args, kwargs, 1, "dim"), tuple(call_arg(args, kwargs, 2, "sizes", ()))
+        n = args[0].dim() if hasattr(args[0], "dim") else 0
+        dim = wrap_dim(dim, n)
+        return (None,) * dim + sizes + (None,) * (n - dim - 1)
+    if name == "expand":
+        sizes = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else \
+            (args[1] if len(args) == 2 else kwargs.get("size"))
+        return tuple(None if v == -1 else v for v in sizes) if isinstance(sizes, (tuple, list)) else None
+    return None
+
+
+def local_view_shape(op: str, sizes: tuple[int | None, ...], local_in: tuple[int, ...]) -> tuple[int, ...] | None:
+    """What the view ``op`` with literal ``sizes`` (``view_sizes``) gives for an input of shape ``local_in``; ``None``
+    where it cannot run on it (the sizes do not fit its elements)."""
+    numel = 1
+    for n in local_in:
+        numel *= n
+    if op in ("view", "reshape"):
+        known = [v for v in sizes if v != -1]
+        rest = 1
+        for v in known:
+            rest *= v
+        if sizes.count(-1) > 1 or rest == 0 or numel % rest:
+            return None
+        out = tuple(numel // rest if v == -1 else v for v in sizes)
+        return out if sizes.count(-1) or rest == numel else None
+    if op == "unflatten":
+        dim = next(i for i, v in enumerate(sizes) if v is not None)
+        inner = tuple(v for v in sizes if v is not None)
+        tail = len(sizes) - dim - len(inner)
+        unflat = local_view_shape("view", inner, (local_in[dim],))
+        return None if unflat is None else tuple(local_in[:dim]) + unflat + tuple(local_in[len(local_in) - tail:])
+    if op == "expand":
+        lead = len(sizes) - len(local_in)
+        out = list(sizes[:lead])
+        for v, n in zip(sizes[lead:], local_in):
+            if v is not None and n not in (1, v):
+                return None
+            out.append(n if v is None else v)
+        return tuple(out)
+    return None

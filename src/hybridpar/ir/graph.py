@@ -4,7 +4,7 @@ A *layer* is a leaf module (``Conv3d``, ``Linear``, ``LayerNorm``, ...) or a ten
 modules (the residual ``add``, ``scaled_dot_product_attention``, ``cat``), with its costs for the example batch,
 every tensor it reads (``Read``: which layer made it, and where each of its dims comes from) and its sliding
 windows. The graph also holds the model's blocks and their calls (the interfaces of pipeline stages), the
-parameters that are shared, and what the spatial runtime would refuse. ``hybridpar.plan.analysis`` builds it
+parameters that are shared, and what the spatial runtime would refuse. ``hybridpar.ir.analysis`` builds it
 from a model on the meta device; the planner reads it without torch.
 """
 
@@ -15,11 +15,23 @@ from functools import cached_property
 
 from hybridpar.errors import PlanError
 from hybridpar.geometry import Window
-from hybridpar.plan import rules
+from hybridpar.ir import rules
+from hybridpar.ir.sources import CONST, INPUT, PARAM
 
-INPUT = -1  # source of the model input
-PARAM = -2  # source of a parameter read by an operation
-CONST = -3  # source of a tensor made of constants (no layer made it)
+
+@dataclass(frozen=True)
+class View:
+    """One view on the way from a layer's output to a reader (``Read.views``): the function, its input and output
+    shapes for the example batch, ``where[j]`` the input dim whose whole blocks output dim ``j`` holds (``None``:
+    none), the sizes it was given literally (``view(b, -1, 4, 8)``: ``(b, -1, 4, 8)``; ``None`` for a view that
+    takes no sizes, as ``transpose``) and the module whose forward called it."""
+
+    op: str
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    where: tuple[int | None, ...]
+    sizes: tuple[int, ...] | None
+    module: str
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class Read:
     blocks: tuple[int, ...] = ()
     output: int = 0
     params: tuple[str, ...] = ()  # the parameters it is (a view of) or is computed from alone (source PARAM)
+    views: tuple[View, ...] = ()  # the views from the source's output to this tensor, in order
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ class BlockArg:
     dtype: str
     requires_grad: bool
     value: int  # the same number for the same tensor passed to several calls
+    partitioned: bool = False  # a volume split in slabs under spatial parallelism (what a rank holds is its slab)
 
 
 @dataclass(frozen=True)
@@ -153,8 +167,10 @@ class ModelGraph:
     input_dtype: str = "float32"
     spatial_refusals: tuple[tuple[int | None, str], ...] = field(repr=False, default=())
     outputs: tuple[int, ...] = ()  # the layers that make the tensors the forward returns
-    unused: tuple[str, ...] = ()  # parameters no layer of the forward uses (for the example input)
+    unused: tuple[str, ...] = ()  # parameters that get no gradient from the output a loss reads (for the example)
     output_values: tuple[int, ...] = ()  # their values (``BlockArg.value``), where a block returned them
+    state: tuple[str, ...] = ()  # the model's state-dict names (parameters and buffers), as ``state_dict`` gives them
+    output: tuple = ()  # (shape, dtype, requires_grad, partitioned) of the tensor a loss reads: the output's first
 
     def index_of(self, name: str) -> int:
         """The index of the layer called ``name``, or a ``PlanError`` that lists some of the names."""
@@ -224,13 +240,13 @@ class ModelGraph:
 
     @cached_property
     def stage_starts(self) -> tuple[int, ...]:
-        """Layers a pipeline stage can start at (after the first): the first layer of a block where the model
-        can be cut (``rules.stage_cut_refusal``). A graph without ``blocks`` (built by hand) allows every cut
-        point."""
+        """Layers a pipeline stage can start at (after the first): the first layer of a block, other than the first
+        block the forward calls, where the model can be cut (``rules.stage_cut_refusal``). A graph without
+        ``blocks`` (built by hand) allows every cut point."""
         if not self.blocks:
             return tuple(i + 1 for i in self.cut_points)
         return tuple(first for b, first in self.block_starts.items()
-                     if first > 0 and rules.stage_cut_refusal(self, b) is None)
+                     if first > 0 and b > 0 and rules.stage_cut_refusal(self, b) is None)
 
     @cached_property
     def is_chain(self) -> bool:
@@ -260,4 +276,4 @@ class ModelGraph:
         return out
 
 
-__all__ = ["CONST", "INPUT", "PARAM", "BlockArg", "BlockCall", "Layer", "ModelGraph", "Read"]
+__all__ = ["CONST", "INPUT", "PARAM", "BlockArg", "BlockCall", "Layer", "ModelGraph", "Read", "View"]

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.errors import PlanError
-from hybridpar.plan.rules.splits import check_assignment, tp_refusal
+from hybridpar.ir.rules.splits import check_assignment, tp_refusal
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A *layer* is a leaf module (``Conv3d``, ``Linear``, ``LayerNorm``, ...) or a ten
 between modules (the residual ``add``, ``scaled_dot_product_attention``, ``cat``). Views (``view``,
 ``transpose``, ``split``, ...) are not layers: a view of a layer's output is read as that output, with each
 of its dims traced back to the output dim it holds whole blocks of (``Read.dims``), so that a split of the
-output can be followed through the views (``hybridpar.plan.rules``). For each layer the trace records, for the
+output can be followed through the views (``hybridpar.ir.rules``). For each layer the trace records, for the
 example batch:
 
 - forward FLOPs (PyTorch's ``FlopCounterMode``; attention counted here as ``4·B·H·Lq·Lk·E``, since
@@ -22,7 +22,7 @@ and returns (``block_calls``: the interfaces of pipeline stages), and which para
 several names or used by several layers (``shared``: tied embeddings, a module registered twice).
 
 Nothing is allocated: parameters and activations live on the meta device (a copy: the caller's model is
-never touched), with the real values of small parameter-free tensors kept beside them (``hybridpar.meta``),
+never touched), with the real values of small parameter-free tensors kept beside them (``hybridpar.ir.meta``),
 so that data-dependent Python in a forward takes the branch the real run takes, and CosmoFlow at 512³ or a
 175B-parameter GPT analyse in seconds on a laptop.
 """
@@ -35,15 +35,15 @@ import math
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybridpar import meta
 from hybridpar.errors import HybridparError, PlanError
 from hybridpar.geometry import Window
-from hybridpar.plan import rules
-from hybridpar.plan.calls import BlockCalls
-from hybridpar.plan.graph import INPUT, BlockCall, Layer, ModelGraph
-from hybridpar.plan.trace import REPLICATED, WHOLE_MODULES, LayerTrace, Tracer, is_leaf, module_kind
+from hybridpar.ir import meta, rules
+from hybridpar.ir.calls import BlockCalls
+from hybridpar.ir.graph import INPUT, BlockCall, Layer, ModelGraph
+from hybridpar.ir.trace import PARTITIONED, REPLICATED, WHOLE_MODULES, LayerTrace, Tracer, is_leaf, module_kind
 
 SPLITTABLE_TYPES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # exact types tensor parallelism splits
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -193,8 +193,18 @@ def _graph(model: nn.Module, tracer: Tracer, calls: BlockCalls, input_shape, x, 
                       tuple(dict.fromkeys(tracer.refusals)),
                       outputs=tuple(dict.fromkeys(tracer.info[id(t)][0] for t in tracer._tensors(out)
                                                   if id(t) in tracer.info)),
-                      unused=_unused(model, layers),
-                      output_values=tuple(tracer.values[id(t)] for t in tracer._tensors(out) if id(t) in tracer.values))
+                      unused=_unused(model, out),
+                      output_values=tuple(tracer.values[id(t)] for t in tracer._tensors(out) if id(t) in tracer.values),
+                      state=tuple(model.state_dict()), output=_output_meta(out, tracer))
+
+
+def _output_meta(out, tracer: Tracer) -> tuple:
+    """``(shape, dtype, requires_grad, partitioned)`` of the tensor a loss reads (``model_output``), or ``()``."""
+    first = model_output(out, strict=False)
+    if first is None:
+        return ()
+    return (tuple(first.shape), str(first.dtype).removeprefix("torch."), first.requires_grad,
+            tracer.status.get(id(first)) == PARTITIONED)
 
 
 def _shared(model: nn.Module, layers: list[Layer]) -> tuple[tuple[str, ...], ...]:
@@ -210,13 +220,46 @@ def _shared(model: nn.Module, layers: list[Layer]) -> tuple[tuple[str, ...], ...
     return tuple(tuple(group) for key, group in names.items() if len(group) > 1 or users.get(key, 0) > 1)
 
 
-def _unused(model: nn.Module, layers: list[Layer]) -> tuple[str, ...]:
-    """Parameters (first names) that no layer uses: a module the forward never calls."""
-    used = {name for layer in layers for name in layer.params}
+def _unused(model: nn.Module, out) -> tuple[str, ...]:
+    """Parameters (first names) that get no gradient from the output a loss reads (``model_output``: the
+    forward's first tensor): a module the forward never calls, or one whose output it computes and drops (an
+    auxiliary head switched off, a branch left unused). Found by walking the autograd graph of that output, so
+    that every rank knows before the first step which gradients none of them will have."""
+    reached: set[int] = set()
+    first = model_output(out, strict=False)
+    stack = [first.grad_fn] if first is not None and first.grad_fn is not None else []
+    seen: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(f for f, _ in fn.next_functions)
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return tuple(names[0] for names in groups.values() if not used & set(names))
+        if p.requires_grad:
+            groups.setdefault(id(p), []).append(name)
+    return tuple(names[0] for key, names in groups.items() if key not in reached)
+
+
+def model_output(output, strict: bool = True) -> torch.Tensor | None:
+    """The tensor a model's output holds first, which the loss reads: the output itself, or the logits of a Hugging
+    Face ``ModelOutput`` (its first tensor), or the first tensor of a tuple or dict. ``strict``: an output with no
+    tensor in it is a ``PlanError`` (else ``None``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        if strict:
+            raise PlanError(f"the model returned {type(output).__name__} with no tensor in it; return the output "
+                            "tensor")
+        return None
+    return tensors[0]
 
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
@@ -313,4 +356,4 @@ def _per_dim(value, n: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
 
 
-__all__ = ["DTYPES", "analyse", "blocks", "graph_of", "input_dtype_of"]
+__all__ = ["DTYPES", "analyse", "blocks", "graph_of", "input_dtype_of", "model_output"]

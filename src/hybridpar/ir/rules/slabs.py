@@ -3,7 +3,7 @@ exact on slabs of a split volume (``spatial_refusals``: everything else mixes po
 
 from __future__ import annotations
 
-from hybridpar.plan.rules.views import RESHAPES, SAME_DIMS, TRANSPOSES, call_arg, wrap_dim
+from hybridpar.ir.rules.views import RESHAPES, SAME_DIMS, TRANSPOSES, call_arg, wrap_dim
 
 # torch.nn classes the spatial runtime converts (hybridpar.spatial.layers); a subclass that keeps the class's
 # forward is converted alike, one that overrides it is checked function by function

@@ -1,4 +1,4 @@
-"""The tracer behind the model analysis (``hybridpar.plan.analysis``): a ``TorchFunctionMode`` that records
+"""The tracer behind the model analysis (``hybridpar.ir.analysis``): a ``TorchFunctionMode`` that records
 leaf modules and the tensor operations between them as layer records, follows views of their outputs dim by
 dim (``rules.alias_dims``), counts what autograd saves, gives the spatial runtime's verdict on every operation
 a split volume meets (``rules.spatial_refusals``), and records what each block call receives and returns.
@@ -16,8 +16,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybridpar.plan import rules
-from hybridpar.plan.graph import CONST, INPUT, PARAM, Read
+from hybridpar.ir import rules
+from hybridpar.ir.graph import CONST, INPUT, PARAM, Read, View
 
 PARTITIONED, REPLICATED = "partitioned", "replicated"  # of a spatially split model's tensors
 
@@ -106,15 +106,15 @@ class Tracer(TorchFunctionMode):
     def _read(self, t: torch.Tensor) -> Read:
         shape = tuple(t.shape)
         if id(t) in self.info:
-            source, output, dims, blocks = self.info[id(t)]
-            return Read(source, shape, dims, blocks, output)
+            source, output, dims, blocks, views = self.info[id(t)]
+            return Read(source, shape, dims, blocks, output, views=views)
         if id(t) in self.params:
             return Read(PARAM, shape, params=self.params[id(t)])
         return Read(CONST, shape)
 
     def _produce(self, out, index: int) -> None:
         for k, t in enumerate(self._tensors(out)):
-            self.info[id(t)] = (index, k, tuple(range(t.dim())), tuple(t.shape))
+            self.info[id(t)] = (index, k, tuple(range(t.dim())), tuple(t.shape), ())
             self.alive.append(t)
 
     def _alias(self, name: str, args, kwargs, out) -> None:
@@ -122,13 +122,16 @@ class Tracer(TorchFunctionMode):
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if source is None or id(source) not in self.info:
             return
-        producer, output, dims, blocks = self.info[id(source)]
+        producer, output, dims, blocks, views = self.info[id(source)]
         in_shape = tuple(source.shape)
+        sizes = rules.view_sizes(name, args, kwargs)
+        module = self.module_stack[-1] if self.module_stack else ""
         for t in self._tensors(out):
             where = rules.alias_dims(name, args, kwargs, tuple(range(len(in_shape))), in_shape, tuple(t.shape))
+            view = View(name, in_shape, tuple(t.shape), where, sizes, module)
             self.info[id(t)] = (producer, output, tuple(None if w is None else dims[w] for w in where),
                                 tuple(0 if w is None or dims[w] is None else math.gcd(blocks[w], t.shape[j])
-                                      for j, w in enumerate(where)))
+                                      for j, w in enumerate(where)), views + (view,))
             self.alive.append(t)
 
     def _from_params(self, args, kwargs, out) -> None:

@@ -1,0 +1,124 @@
+"""Pipeline stages of a plan: how many its schedule runs (``check_stage_count``), where they may start
+(``legal_starts``: a block's first layer where the model can be cut and nothing split over tp crosses), the blocks
+each holds (``stage_groups``), the micro-batches the schedule takes (``check_micro_batches``) and the stage that
+holds each parameter and buffer (``holding_stages``). The search, ``validate``, the runtime's check and the
+pipeline runtime read these, and nothing else, about stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from hybridpar.errors import PlanError
+from hybridpar.ir.rules.cuts import crossing_sources, stage_cut_refusal
+from hybridpar.ir.types import SCHEDULES
+
+
+def some(names: list[str], limit: int = 8) -> str:
+    head = ", ".join(names[:limit])
+    return head + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_stage_count(schedule: str, boundaries: int, pp: int) -> None:
+    """The plan's ``schedule`` is known and its ``boundaries`` stage boundaries make the stages it runs:
+    ``pp`` of them, or under interleaved 1F1B a multiple of ``pp``, at least ``2 pp``."""
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule = {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    stages = boundaries + 1
+    if schedule == "interleaved-1f1b" and pp > 1:
+        if stages % pp or stages < 2 * pp:
+            raise PlanError(f"interleaved-1f1b with pp={pp} needs a multiple of {pp} stages, at least {2 * pp}, "
+                            f"but the plan's {boundaries} stage boundaries make {stages}")
+    elif stages != pp:
+        raise PlanError(f"pp={pp} needs {pp - 1} stage boundaries (the first layer of each stage after the first), "
+                        f"but the plan lists {boundaries}; interleaved-1f1b runs several stages per rank")
+
+
+def check_micro_batches(micro_batches: int, num_stages: int, pp: int, schedule: str) -> None:
+    """The micro-batch counts PyTorch's schedules take: 1F1B at least one per stage; interleaved 1F1B a
+    multiple of its rounds (``max(1, m // pp)``)."""
+    if schedule == "1f1b" and micro_batches < num_stages:
+        raise PlanError(f"micro_batches = {micro_batches}: 1F1B over {num_stages} stages needs at least "
+                        f"{num_stages}; use more micro-batches, or the gpipe schedule")
+    rounds = max(1, micro_batches // pp)
+    if schedule == "interleaved-1f1b" and micro_batches % rounds:
+        raise PlanError(f"micro_batches = {micro_batches}: interleaved 1F1B with pp={pp} needs a multiple of "
+                        f"{rounds}; use a multiple of {pp}")
+
+
+def legal_starts(graph, split: Callable[[int], bool] = lambda i: False) -> list[int]:
+    """Layers a stage may start at: 0, and each of the graph's stage starts (``ModelGraph.stage_starts``: a block's
+    first layer where the rules allow a cut) where nothing that crosses is split over tp (``split(i)``: layer ``i``
+    leaves its output split; a graph built by hand, without blocks: the layer before the start)."""
+    if not graph.blocks:
+        return [0] + [i for i in graph.stage_starts if not split(i - 1)]
+    sources = crossing_sources(graph)
+    block_of = {first: b for b, first in graph.block_starts.items()}
+    return [0] + [i for i in graph.stage_starts if not any(split(p) for p in sources[block_of[i]])]
+
+
+def stage_starts(graph, starts: Iterable[str], split: Callable[[int], bool] = lambda i: False) -> tuple[int, ...]:
+    """The layer indices of the plan's ``stages`` (the first layer of each stage after the first), each a legal
+    start (``legal_starts``), distinct and in order; a ``PlanError`` naming the first that is not."""
+    starts = list(starts)
+    if graph.blocks and len(starts) + 1 > len(graph.blocks):
+        raise PlanError(f"{len(starts) + 1} pipeline stages, but {graph.name} has {len(graph.blocks)} blocks "
+                        f"({some(list(graph.blocks))}); use at most {len(graph.blocks)} stages")
+    firsts = {graph.layers[i].name: b for b, i in graph.block_starts.items()} if graph.blocks else {}
+    legal = set(legal_starts(graph, split)) - {0}
+    out = []
+    for name in starts:
+        index = _index(graph, name, firsts)
+        if index not in legal:
+            raise PlanError(f"a stage cannot start at {name!r}: {_why_not(graph, index, firsts.get(name), split)}")
+        out.append(index)
+    if out != sorted(set(out)):
+        raise PlanError(f"stage boundaries {list(starts)} must be distinct and in the model's order")
+    return tuple(out)
+
+
+def _index(graph, name: str, firsts: dict[str, int]) -> int:
+    names = graph.__dict__.get("_names") or {layer.name: layer.index for layer in graph.layers}
+    if name not in names:
+        raise PlanError(f"stage boundary {name!r} is not a layer of the model ({graph.name})")
+    if graph.blocks and name not in firsts:
+        raise PlanError(f"a stage cannot start at {name!r}: stages start where a block starts, at one of "
+                        f"{some([graph.layers[i].name for i in graph.stage_starts])}")
+    return names[name]
+
+
+def _why_not(graph, index: int, block: int | None, split) -> str:
+    if block is not None:
+        if block == 0:
+            return "it is the first block"
+        refused = stage_cut_refusal(graph, block)
+        if refused:
+            return refused
+        inside = sorted(p for p in crossing_sources(graph)[block] if split(p))
+        if inside:
+            return (f"{graph.layers[inside[0]].name!r} leaves its output split over tp there; cut outside the layers "
+                    "that split together")
+    starts = [graph.layers[i].name for i in legal_starts(graph, split)[1:]]
+    return f"more than one tensor (or a tp-split one) crosses there; stages can start at {some(starts)}"
+
+
+def stage_groups(graph, cuts: tuple[int, ...]) -> list[list[str]]:
+    """The block names of each stage, for stages starting at the layers ``cuts`` (``stage_starts``)."""
+    names = list(graph.blocks)
+    first_block = {i: b for b, i in graph.block_starts.items()}
+    bounds = [0] + [first_block[i] for i in cuts] + [len(names)]
+    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def holding_stages(names: Iterable[str], groups: list[list[str]], pp: int) -> dict[str, int]:
+    """The pipeline stage that holds each state-dict entry (pp rank: the stage modulo ``pp``)."""
+    if pp == 1:
+        return dict.fromkeys(names, 0)
+    stage_of = {unit: i for i, group in enumerate(groups) for unit in group}
+    out = {}
+    for name in names:
+        unit = next((u for u in stage_of if name.startswith(u + ".")), None)
+        if unit is None:
+            raise PlanError(f"{name!r} belongs to none of the model's blocks; hybridpar.parallelize needs every "
+                            "parameter and buffer of a pipelined model inside a block (a child module)")
+        out[name] = stage_of[unit]
+    return out
