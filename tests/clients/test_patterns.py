@@ -20,33 +20,9 @@ from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import graph_of, preset, validate
 from hybridpar.spatial import mse_loss, shard
 from support.equivalence import check_step, plan_mesh, replica_slice
+from support.patterns import HEAD_SPLIT, ConfigHeads, DroppedConvHead, TensorHeads
 
-BATCH, T, D, HEADS = 4, 8, 16, 4
-
-
-class ConfigHeads(nn.Module):
-    """Attention that takes its head count from the configuration and puts the wildcard on the sequence:
-    ``q.view(b, -1, heads, head_dim)``. On a rank holding half the features, -1 takes half the tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.heads, self.head_dim = HEADS, D // HEADS
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (f(x).view(b, -1, self.heads, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v)  # (B, heads, T, head_dim)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class TensorHeads(ConfigHeads):
-    """The same attention with the head count from the tensor (``view(b, t, -1, head_dim)``): exact when split."""
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
+BATCH, T, D = 4, 8, 16
 
 
 class DroppedHead(nn.Module):
@@ -60,20 +36,6 @@ class DroppedHead(nn.Module):
         h = torch.tanh(self.body(x))
         _ = self.aux(h)
         return self.out(h)
-
-
-class DroppedConvHead(nn.Module):
-    """A volume network whose auxiliary head runs on every slab and is dropped."""
-
-    def __init__(self):
-        super().__init__()
-        self.body, self.aux, self.out = (nn.Conv3d(1 if i == 0 else 4, 4 if i < 2 else 1, 3, padding=1)
-                                         for i in range(3))
-
-    def forward(self, x):
-        h = torch.relu(self.body(x))
-        _ = self.aux(h)
-        return self.out(torch.relu(h))
 
 
 class AliasedHead(nn.Module):
@@ -115,8 +77,22 @@ class DictBlocks(nn.Module):
         return {"out": x}
 
 
-MODELS = {"config-heads": ConfigHeads, "tensor-heads": TensorHeads, "dropped-head": DroppedHead,
-          "dropped-conv-head": DroppedConvHead, "aliased-head": AliasedHead, "dict-blocks": DictBlocks}
+class ChannelsLastNorm(nn.Module):
+    """ConvNeXt's block in 3D: a conv, then a LayerNorm over the channels in channels-last order (permute, norm,
+    permute back), then a conv. The split follows the permutes: it once was refused under spatial parallelism."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.out = nn.Conv3d(1, 4, 3, padding=1), nn.LayerNorm(4), nn.Conv3d(4, 1, 3, padding=1)
+
+    def forward(self, x):
+        h = self.norm(self.conv(x).permute(0, 2, 3, 4, 1)).permute(0, 4, 1, 2, 3)
+        return self.out(torch.nn.functional.gelu(h))
+
+
+MODELS = {"config-heads": ConfigHeads, "channels-last-norm": ChannelsLastNorm, "tensor-heads": TensorHeads,
+          "dropped-head": DroppedHead, "dropped-conv-head": DroppedConvHead, "aliased-head": AliasedHead,
+          "dict-blocks": DictBlocks}
 CALLS: list[int] = []  # loss calls of the last step on this rank
 
 
@@ -135,7 +111,7 @@ def batch(name: str):
     if name == "aliased-head":
         ids = torch.randint(0, 32, (BATCH, T + 1), generator=g)
         return ids[:, :-1], ids[:, 1:]
-    shape = (BATCH, 1, 8, 8, 8) if "conv" in name else (BATCH, T, D)
+    shape = (BATCH, 1, 8, 8, 8) if "conv" in name or "norm" in name else (BATCH, T, D)
     x = torch.randn(shape, dtype=torch.float64, generator=g)
     return x, torch.randn_like(x)
 
@@ -167,8 +143,6 @@ def step(name: str, fields: dict) -> float:
     return check_step(parallel, reference, loss, (lm_mse if name == "aliased-head" else F.mse_loss)(output, y))
 
 
-HEAD_SPLIT = (("q", "column"), ("k", "column"), ("v", "column"), ("scaled_dot_product_attention#0", "shard"),
-              ("o", "row"))
 
 
 def test_a_view_that_fixes_the_head_count_is_refused_by_every_check():
@@ -197,6 +171,8 @@ def test_a_view_that_fixes_the_head_count_is_refused_by_every_check():
     ("dropped-head", dict(dp=2, sharding=3)),
     ("dropped-conv-head", dict(spatial=(2, 1, 1))),
     ("dropped-conv-head", dict(dp=2, spatial=(1, 2, 1))),
+    ("channels-last-norm", dict(spatial=(2, 1, 1))),
+    ("channels-last-norm", dict(dp=2, spatial=(1, 1, 2))),
     ("aliased-head", dict(tp=2)),
     ("aliased-head", dict(dp=2, tp=2, sharding=3)),
     ("dict-blocks", dict(pp=2, micro_batches=2, stages=("blocks.2.linear",))),

@@ -289,3 +289,56 @@ def test_checkpoints_move_between_plans_and_world_sizes(dist2, dist4, tmp_path):
         resumed = pool.run(resume_under, fields=fields, path=path)
         assert all(r == resumed[0] for r in resumed)
         assert resumed[0] == pytest.approx(expected[2:], rel=1e-10), fields
+
+
+TRAIN = """run_dir = "{run}"
+plan = "{plan}"
+[model]
+name = "gpt"
+vocab_size = 32
+seq_len = 8
+num_layers = 2
+num_heads = 4
+d_model = 16
+[data]
+format = "tokens"
+[train]
+steps = 1
+batch_size = 4
+dtype = "float64"
+"""
+
+
+def traces_of_a_pipeline_run(folder: str) -> int:
+    """The analyses one worker runs to check a pipelined plan and set the run up (``Tokens.check`` then
+    ``setup``): the model is traced once, and its micro-batch shapes derived from that trace."""
+    from pathlib import Path
+
+    from hybridpar.ir import analysis
+    from hybridpar.train import load
+    from hybridpar.train.tasks.tokens import Tokens
+
+    plan = Plan(pp=2, micro_batches=2, stages=("blocks.1.ln_1",), global_batch=4, input_shape=(4, 8),
+                dtype="float64")
+    here = Path(folder) / str(dist.get_rank())
+    here.mkdir(parents=True, exist_ok=True)
+    (here / "plan.json").write_text(plan.to_json())
+    (here / "run.toml").write_text(TRAIN.format(run=here / "run", plan=here / "plan.json"))
+    calls, analyse = [], analysis.analyse
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return analyse(*args, **kwargs)
+
+    analysis.analyse = counted
+    try:
+        task = Tokens(load(here / "run.toml"))
+        checked = task.check(dist.get_world_size())
+        task.setup(checked, plan_mesh(checked))
+    finally:
+        analysis.analyse = analyse
+    return len(calls)
+
+
+def test_a_pipeline_run_traces_its_model_once(dist2, tmp_path):
+    assert dist2.run(traces_of_a_pipeline_run, folder=str(tmp_path)) == [1, 1]

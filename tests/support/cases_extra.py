@@ -201,7 +201,7 @@ ERROR_CASES = {
         ["pad on a spatially split tensor", "forward of 'head'", "padding in the convolution"], None),
     "cat_along_a_spatial_dim": (
         lambda: Net(CatSpatialHead()), (1, 1, 8, 4, 4), (2, 1, 1),
-        ["cat on a spatially split tensor", "forward of 'head'", "nn module"], None),
+        ["cat on a spatially split tensor", "forward of 'head'", "an unsplit dim"], None),
     "functional_dropout_on_the_head": (
         lambda: Net(DropoutHead(2 * 8 * 4 * 4)), (1, 1, 8, 4, 4), (2, 1, 1),
         ["dropout in the forward of 'head'", "different mask on each rank", "use an nn.Dropout module"], None),

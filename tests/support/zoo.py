@@ -35,6 +35,7 @@ class Entry:
     build: Callable[[], nn.Module]
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    float32_inside: bool = False  # parts of its forward run in float32 whatever the model's dtype (Gemma's norms)
 
 
 # Wrappers: one tensor in, the library model as the child ``model``.
@@ -197,9 +198,10 @@ def value_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 # Entries.
 
-def _lm(key: str, config_class: str, model_class: str, patterns: tuple[str, ...], config: dict) -> Entry:
+def _lm(key: str, config_class: str, model_class: str, patterns: tuple[str, ...], config: dict,
+        float32_inside: bool = False) -> Entry:
     return Entry(f"hf-{key}", "transformers", "tokens", ("decoder", *patterns),
-                 partial(_hf, Tokens, model_class, config_class, config), next_tokens, token_loss)
+                 partial(_hf, Tokens, model_class, config_class, config), next_tokens, token_loss, float32_inside)
 
 
 def _encoder(key: str, config_class: str, model_class: str, patterns: tuple[str, ...], config: dict) -> Entry:
@@ -262,9 +264,11 @@ _ENTRIES = [
          "decoder_sparse_step": 1}),
     _lm("olmoe", "OlmoeConfig", "OlmoeForCausalLM", (*_GQA_ROPE, "moe", "fused-projection"),
         {**_MOE, "num_experts": 4, "pad_token_id": 1, "eos_token_id": 2}),
-    _lm("gemma", "GemmaConfig", "GemmaForCausalLM", (*_GQA_ROPE, *_TIED), {**_LLAMA, "head_dim": 8}),
+    _lm("gemma", "GemmaConfig", "GemmaForCausalLM", (*_GQA_ROPE, *_TIED), {**_LLAMA, "head_dim": 8},
+        float32_inside=True),
     _lm("gemma2", "Gemma2Config", "Gemma2ForCausalLM", (*_GQA_ROPE, *_TIED),
-        {**_LLAMA, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4, "attn_implementation": "eager"}),
+        {**_LLAMA, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4, "attn_implementation": "eager"},
+        float32_inside=True),
     _lm("phi", "PhiConfig", "PhiForCausalLM", _GQA_ROPE,
         {**_LLAMA, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "partial_rotary_factor": 0.5}),
     _lm("phi3", "Phi3Config", "Phi3ForCausalLM", (*_GQA_ROPE, "fused-projection"),
@@ -300,7 +304,7 @@ _ENTRIES = [
     _lm("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", (*_GQA_ROPE, "moe", "fused-projection"),
         {**_MOE, "num_local_experts": 4}),
     _lm("cohere", "CohereConfig", "CohereForCausalLM", (*_GQA_ROPE, *_TIED),
-        {**_LLAMA, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+        {**_LLAMA, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, float32_inside=True),
     # Encoder-only: masked LMs and sequence classifiers.
     _encoder("bert-mlm", "BertConfig", "BertForMaskedLM", _TIED, _BERT),
     _encoder("bert", "BertConfig", "BertForSequenceClassification", (), _BERT),

@@ -4,6 +4,7 @@ tried again where it did not)."""
 
 import torch
 
+from hybridpar.ir.analysis import graph_of
 from hybridpar.models.cosmoflow import cosmoflow
 from hybridpar.plan import Plan
 from hybridpar.train.balance import Balancer, Replan
@@ -56,7 +57,8 @@ def window(step: int, took: float, slow: dict, speeds=(1.0, 1.0, 1.0, 1.0)) -> W
 def analysed():
     with torch.device("meta"):
         model = cosmoflow(size=32, in_channels=1, base_channels=2, num_blocks=2, fc_sizes=(8,), num_outputs=2)
-    return model, torch.empty(16, 1, 32, 32, 32, device="meta")
+    example = torch.empty(16, 1, 32, 32, 32, device="meta")
+    return model, example, graph_of(model, example)
 
 
 def test_a_rebalance_is_kept_where_it_paid_and_undone_where_it_did_not():

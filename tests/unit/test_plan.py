@@ -535,7 +535,7 @@ def test_no_pipelines_for_batch_norm():
     graph = graph_of(TinyCosmoFlow(size=16, channels=2, width=4, batch_norm=True), (1, 2, 16, 16, 16))
     result = search_plans(graph, None, small_cluster(8, per_node=8), global_batch=8, top=50)
     assert result.plans and all(p.pp == 1 for p in result.plans)
-    assert "is a batch norm, whose statistics a pipeline would take per micro-batch" in result.rejected["dp x pp"]
+    assert "would take its statistics over each of the 2 micro-batches of a pipeline" in result.rejected["dp x pp"]
 
 
 def test_gpt3_175b_analyses_on_the_meta_device():

@@ -142,20 +142,42 @@ def test_models_that_mix_positions_are_refused_spatial_splits_by_the_operation()
     model = UNETR(in_channels=1, out_channels=2, img_size=(16, 16, 16), feature_size=4, hidden_size=32, mlp_dim=64,
                   num_heads=4)
     graph = graph_of(model, (2, 1, 16, 16, 16))
-    with pytest.raises(PlanError, match=r"flatten on a spatially split tensor in the forward of "
-                                        r"'vit.patch_embedding'.*spatial parallelism needs operators that see only "
-                                        r"nearby positions.*use data, tensor or pipeline parallelism"):
+    with pytest.raises(PlanError, match=r"on a spatially split tensor in the forward of 'vit\..*"
+                                        r"leave spatial at 1 and use data, tensor or pipeline parallelism"):
         check_grid(graph, (2, 1, 1))
     check_grid(graph, (1, 1, 1))
 
 
-def test_spatial_refusals_name_the_split_dims_they_break():
-    refused = rules.spatial_refusals("pad", (None, (0, 0, 1, 1, 0, 0)), {}, lambda v: v is None, lambda v: None, 5,
-                                     "head")
+def test_the_spatial_rule_names_the_split_dims_it_breaks():
+    volume = object()  # a (1, 2, 8, 8, 8) tensor split along its three spatial dims
+
+    def rule(name, *args, out=(1, 2, 8, 8, 8), **kwargs):
+        return rules.spatial_rule(name, (volume, *args), kwargs, out, lambda v: (2, 3, 4) if v is volume else None,
+                                  lambda v: (1, 2, 8, 8, 8) if v is volume else None, "head")
+
+    refused, _ = rule("pad", (0, 0, 1, 1, 0, 0))
     assert [axis for axis, _ in refused] == [1]  # pads H (dim 3) only
     assert rules.first_refusal(refused, (2, 1, 1)) is None and rules.first_refusal(refused, (1, 2, 1))
-    assert rules.spatial_refusals("repeat", (None, 1, 3, 1, 1, 1), {}, lambda v: v is None, lambda v: None, 5,
-                                  "head") == []
+    assert rule("repeat", 1, 3, 1, 1, 1)[0] == []
+
+
+def test_the_split_follows_a_permute_and_a_norm_over_the_channels():
+    """A channels-last norm (permute, a norm over the channels, permute back) runs on slabs as it is; a reshape
+    that gives the size of a split dim literally, or joins it as an inner dim, is refused for that axis."""
+    volume = object()
+
+    def rule(name, args, out, place=(2, 3, 4), shape=(1, 2, 8, 8, 8), **kwargs):
+        return rules.spatial_rule(name, (volume, *args), kwargs, out, lambda v: place if v is volume else None,
+                                  lambda v: shape if v is volume else None, "block")
+
+    assert rule("permute", (0, 2, 3, 4, 1), (1, 8, 8, 8, 2)) == ([], (1, 2, 3))
+    assert rule("layer_norm", ((2,),), (1, 8, 8, 8, 2), place=(1, 2, 3), shape=(1, 8, 8, 8, 2)) == ([], (1, 2, 3))
+    assert rule("layer_norm", ((8, 2),), (1, 8, 8, 8, 2), place=(1, 2, 3), shape=(1, 8, 8, 8, 2))[0][0][0] == 2
+    refused, placement = rule("flatten", (2,), (1, 2, 512))  # depth stays the outermost: its slabs are whole runs
+    assert [axis for axis, _ in refused] == [1, 2] and placement == (2, None, None)
+    refused, _ = rule("view", (1, 2, 512), (1, 2, 512))
+    assert [axis for axis, _ in refused] == [0, 1, 2] and "give that size as -1" in refused[0][1]
+    assert rule("view", (1, 2, -1), (1, 2, 512))[1] == (2, None, None)
 
 
 def test_views_move_the_split_with_whole_blocks():

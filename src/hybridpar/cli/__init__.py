@@ -9,10 +9,11 @@ import sys
 from rich.console import Console
 
 from hybridpar import __version__
-from hybridpar.cli import calibrate, data, demo, plan, simulate, train
+from hybridpar.cli import calibrate, data, demo, plan, simulate, train, verify
 from hybridpar.errors import HybridparError, RunStopped
 
-COMMANDS = {"demo": demo, "train": train, "data": data, "calibrate": calibrate, "plan": plan, "simulate": simulate}
+COMMANDS = {"demo": demo, "train": train, "verify": verify, "data": data, "calibrate": calibrate, "plan": plan,
+            "simulate": simulate}
 LOG_WIDTH = 160  # columns of tables written to a file or a pipe (rich would wrap them at 80)
 
 

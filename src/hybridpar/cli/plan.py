@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="write the best plan as JSON to this file")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or json")
+    p.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="N",
+                   help="run one float64 step of the best N plans (default 3) on --devices local processes against "
+                        "one process, on a random batch, and compare every tensor (hybridpar verify)")
 
 
 def run(args, console: Console) -> int:
@@ -74,7 +77,44 @@ def run(args, console: Console) -> int:
     console.print(_losers_table(result))
     if args.out:
         console.print(f"best plan written to {args.out} (use it with plan = \"{args.out}\" in a training config)")
-    return 0
+    return _verify(args, plans[:args.verify], graph, console) if args.verify else 0
+
+
+VERIFY_MAX_PROCESSES = 16  # what one machine runs as local processes
+
+
+def _verify(args, plans, graph, console: Console) -> int:
+    """``--verify``: each plan run against one process on local processes, on a random batch (token ids and next
+    tokens for a model of token ids with (B, T, vocab) logits and a cross entropy, else normal volumes and an MSE)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hybridpar.cli.verify import show, verify_locally
+    from hybridpar.models.gpt import lm_loss
+    from hybridpar.models.registry import build_for_planning
+
+    if plans[0].world_size > VERIFY_MAX_PROCESSES:
+        raise HybridparError(f"--verify runs a plan on {plans[0].world_size} local processes; use --devices "
+                             f"{VERIFY_MAX_PROCESSES} or fewer (and a small --input) to verify plans here")
+    failed = 0
+    for plan in plans:
+        torch.manual_seed(0)
+        model, example = build_for_planning(args.model, args.input, args.input_dtype, device="cpu")
+        shape = (plan.global_batch,) + tuple(example.shape[1:])
+        g = torch.Generator().manual_seed(1)
+        output = graph.output[0] if graph.output else ()
+        if not example.is_floating_point() and len(output) == 3:
+            vocab = output[-1]
+            batch = (torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+            loss_fn = lm_loss
+        else:
+            x = torch.randn(shape, generator=g) if example.is_floating_point() else \
+                torch.randint(0, 2, shape, generator=g)
+            batch = (x, torch.randn((plan.global_batch,) + tuple(output[1:]), generator=g))
+            loss_fn = F.mse_loss
+        console.print(f"verifying {plan.describe()} on {plan.world_size} local processes", highlight=False)
+        failed += show(verify_locally(model, plan, batch, loss_fn), console, top=3)
+    return 1 if failed else 0
 
 
 def _grid(text: str | None, graph) -> tuple[int, ...] | None:

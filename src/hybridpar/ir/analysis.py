@@ -15,7 +15,7 @@ example batch:
 - every tensor it reads (``reads``): which layer made it (or the input, a parameter, a constant), its
   shape, and where each of its dims comes from;
 - whether it runs on slabs of a spatially split input, and what the spatial runtime would refuse
-  (``spatial_refusals``, by the same rules as the runtime's check).
+  (``rules.spatial_rule``, by the same rules as the runtime's check).
 
 The graph also records the model's blocks in the order the forward calls them, what each call passes
 and returns (``block_calls``: the interfaces of pipeline stages), and which parameters are one tensor under
@@ -43,7 +43,8 @@ from hybridpar.geometry import Window
 from hybridpar.ir import meta, rules
 from hybridpar.ir.calls import BlockCalls
 from hybridpar.ir.graph import INPUT, BlockCall, Layer, ModelGraph
-from hybridpar.ir.trace import PARTITIONED, REPLICATED, WHOLE_MODULES, LayerTrace, Tracer, is_leaf, module_kind
+from hybridpar.ir.placements import PARTITIONED
+from hybridpar.ir.trace import WHOLE_MODULES, LayerTrace, Tracer, is_leaf, module_kind
 
 SPLITTABLE_TYPES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # exact types tensor parallelism splits
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,9 +100,8 @@ def install_hooks(model: nn.Module, tracer: Tracer, calls: BlockCalls) -> list:
             if leaf:
                 tracer.inside_leaf -= 1
                 tracer.converted -= converted
-                if converted:
-                    status = tracer.status.get(id(args[0])) if args and isinstance(args[0], torch.Tensor) else None
-                    tracer._mark(out, REPLICATED if status and (gathers or status == REPLICATED) else status)
+                if converted and args and isinstance(args[0], torch.Tensor):
+                    tracer.refusals.extend(tracer.slabs.module(m, args[0], out, paths[id(m)]))
                 if not tracer.inside_leaf:
                     tracer.end(tracer.module_records.pop(id(m)), out)
             if block:
@@ -204,7 +204,7 @@ def _output_meta(out, tracer: Tracer) -> tuple:
     if first is None:
         return ()
     return (tuple(first.shape), str(first.dtype).removeprefix("torch."), first.requires_grad,
-            tracer.status.get(id(first)) == PARTITIONED)
+            tracer.slabs.status(first) == PARTITIONED)
 
 
 def _shared(model: nn.Module, layers: list[Layer]) -> tuple[tuple[str, ...], ...]:
@@ -262,34 +262,44 @@ def model_output(output, strict: bool = True) -> torch.Tensor | None:
     return tensors[0]
 
 
-CONTAINERS = (nn.Sequential, nn.ModuleList)
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's blocks, ``(name, module)`` in the order they are registered: its top-level children, with an
-    ``nn.Sequential`` or ``nn.ModuleList`` child expanded into its entries, and a child that holds an
-    ``nn.ModuleList`` (a trunk: a Hugging Face ``model.model``, ``transformer``) expanded into its own blocks;
-    a module registered twice counts once, under its first name (as ``named_modules`` names it). A model
-    pipelines if its forward calls these one after another (``ModelGraph.blocks`` has the order of the
-    calls)."""
+    """The model's blocks, ``(name, module)`` in the order they are registered: its children, with a container
+    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) expanded into its entries, and a module that holds a
+    trunk (an ``nn.ModuleList`` reached through modules that are not containers: a Hugging Face ``model.model``,
+    an encoder, a decoder, the model a wrapper holds) expanded into its own blocks, at any depth; the entries of a
+    container are blocks as they are (a decoder layer that holds its experts stays one block, an ``nn.Sequential``
+    entry too), but for lists and dicts, which have no forward of their own. A module
+    registered twice counts once, under its first name (as ``named_modules`` names it). A model pipelines if its
+    forward calls these one after another (``ModelGraph.blocks`` has the order of the calls); what is registered
+    on an expanded module (a wrapper's scale, a ViT's class token) is held by every stage (``rules.copies``)."""
     out, seen = [], set()
-    for name, child in _block_candidates(model):
+    for name, child in _block_candidates(model, ""):
         if id(child) not in seen:
             seen.add(id(child))
             out.append((name, child))
     return out
 
 
-def _block_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _block_candidates(module: nn.Module, prefix: str, entries: bool = False) -> list[tuple[str, nn.Module]]:
     out = []
-    for name, child in model.named_children():
-        if isinstance(child, CONTAINERS):
-            out.extend((f"{name}.{n}", c) for n, c in child.named_children())
-        elif any(type(c) is nn.ModuleList for c in child.children()):
-            out.extend((f"{name}.{n}", c) for n, c in _block_candidates(child))
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or (isinstance(child, nn.Sequential) and not entries):
+            out.extend(_block_candidates(child, path + ".", entries=True))
+        elif not entries and _holds_trunk(child):
+            out.extend(_block_candidates(child, path + "."))
         else:
-            out.append((name, child))
+            out.append((path, child))
     return out
+
+
+def _holds_trunk(module: nn.Module) -> bool:
+    """Whether ``module`` holds an ``nn.ModuleList`` through modules that are not containers."""
+    return any(type(c) is nn.ModuleList or (not isinstance(c, CONTAINERS) and _holds_trunk(c))
+               for c in module.children())
 
 
 def _layer(r: LayerTrace) -> Layer:
@@ -313,8 +323,15 @@ def _layer(r: LayerTrace) -> Layer:
         num_params=sum(p.numel() for p in params), spatial_in=r.spatial_in,
         has_weight=any(p.requires_grad for p in params), reads=r.reads, args=r.args, params=names,
         exact=module is not None and type(module) in SPLITTABLE_TYPES, outputs=r.outputs,
-        path=r.path, **extra,
+        path=r.path, inplace=_inplace(r), **extra,
     )
+
+
+def _inplace(r: LayerTrace) -> bool:
+    """Whether the layer writes into a tensor it reads: an in-place function (``relu_``, ``x += y``), a call with
+    ``inplace=True``, a module built so (``nn.ReLU(inplace=True)``)."""
+    return (any(rules.is_inplace(f) for f in r.functions | {r.op}) or dict(r.args).get("inplace") is True
+            or getattr(r.module, "inplace", False) is True)
 
 
 def _elementwise(module: nn.Module, functions: set, params: list) -> bool:

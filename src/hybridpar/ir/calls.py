@@ -9,7 +9,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.ir.graph import CONST, PARAM, BlockArg
-from hybridpar.ir.trace import PARTITIONED, Tracer
+from hybridpar.ir.placements import PARTITIONED
+from hybridpar.ir.trace import Tracer
 
 
 def structure(obj) -> tuple:
@@ -61,7 +62,7 @@ class BlockCalls:
                 value = t.values.setdefault(id(leaf), len(t.values))
                 t.alive.append(leaf)
                 block_args.append(BlockArg(k, source, tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."),
-                                           leaf.requires_grad, value, t.status.get(id(leaf)) == PARTITIONED))
+                                           leaf.requires_grad, value, t.slabs.status(leaf) == PARTITIONED))
         if name not in self.order:
             self.order.append(name)
         self.calls.append(CallTrace(name, tuple(block_args), len(t.records)))

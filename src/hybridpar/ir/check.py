@@ -27,13 +27,13 @@ from hybridpar.ir.types import SHARDING_NAMES, Plan
 class Checked:
     """What ``check`` found: the graph it checked, the tensor-parallel split of each layer that does not
     replicate, the layers that start pipeline stages 2.. (``cuts``), the block names of each stage (one group of
-    every block without a pipeline) and the stage that holds each parameter and buffer."""
+    every block without a pipeline) and the stages that hold a copy of each parameter and buffer."""
 
     graph: ModelGraph
     splits: dict[str, Split]
     cuts: tuple[int, ...]
     groups: tuple[tuple[str, ...], ...]
-    holders: dict[str, int]
+    holders: dict[str, tuple[int, ...]]  # the stages that hold a copy of each state-dict entry
     micro_graph: ModelGraph | None = None  # a pipeline's graph for one micro-batch (the shapes its stages exchange)
 
     @property
@@ -94,6 +94,9 @@ def _check_stages(plan: Plan, graph: ModelGraph) -> None:
     """What pipeline stages need of the model besides where they are cut."""
     if plan.checkpointing and rules.checkpointed_stages_refusal(graph):
         raise PlanError(rules.checkpointed_stages_refusal(graph))
+    refused = rules.pipeline_norm_refusal(graph, plan.micro_batches)
+    if refused:
+        raise PlanError(refused)
     if math.prod(plan.spatial) > 1 and not graph.is_chain:
         raise PlanError(f"pipeline stages with spatial={plan.spatial} need a model whose forward applies its "
                         f"blocks one after another to each other's output ({graph.name} passes them other "
@@ -131,7 +134,8 @@ def check_strategies(strategies: Mapping[str, str], graph: ModelGraph, tp: int, 
     for i, (gather, sliced, _) in found.items():
         layer = graph.layers[i]
         kind = layer.kind if layer.kind in rules.SPLITTABLE and layer.exact else "op"
-        splits[layer.name] = Split(strategies[layer.name], gather, sliced, kind=kind)
+        written = any(graph.layers[c].inplace for c in graph.consumers[i])
+        splits[layer.name] = Split(strategies[layer.name], gather, sliced, kind=kind, clone_output=written)
     wanted = [strategies.get(layer.name, "replicate") for layer in graph.layers]
     return rules.sequence_splits(graph, wanted, splits) if sequence_parallel else splits
 

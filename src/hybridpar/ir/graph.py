@@ -10,7 +10,7 @@ from a model on the meta device; the planner reads it without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hybridpar.errors import PlanError
@@ -85,6 +85,7 @@ class Layer:
     shared: bool = False  # uses a parameter that is shared (ModelGraph.shared)
     path: str = ""  # the module's path, for a layer that is a module ("" for an operation)
     repeated: bool = False  # a module the forward calls more than once (its later calls are "path#k")
+    inplace: bool = False  # writes into a tensor it reads (``relu_``, ``x += y``, ``nn.ReLU(inplace=True)``)
 
     @cached_property
     def signature(self) -> tuple:
@@ -171,6 +172,35 @@ class ModelGraph:
     output_values: tuple[int, ...] = ()  # their values (``BlockArg.value``), where a block returned them
     state: tuple[str, ...] = ()  # the model's state-dict names (parameters and buffers), as ``state_dict`` gives them
     output: tuple = ()  # (shape, dtype, requires_grad, partitioned) of the tensor a loss reads: the output's first
+
+    def at_batch(self, batch: int) -> ModelGraph:
+        """The graph's pipeline interfaces for a batch of ``batch`` samples (a micro-batch), without tracing again:
+        the model input, what its blocks are passed and return and the output it gives, each with its batch dim
+        (dim 0, where a tensor made from the input has the example's batch there; PyTorch's pipelining splits
+        micro-batches along it too) resized. Its layers keep the example's costs (the planner scales those)."""
+        if batch == self.batch:
+            return self
+        example = self.batch
+
+        def resized(shape: tuple[int, ...], made_from_input: bool = True) -> tuple[int, ...]:
+            return (batch,) + tuple(shape[1:]) if made_from_input and shape and shape[0] == example else shape
+
+        def structure(item: tuple) -> tuple:
+            kind, rest = item[0], item[1:]
+            if kind == "tensor":
+                return (kind, resized(rest[0])) + tuple(rest[1:])
+            if kind in ("tuple", "list"):
+                return (kind, tuple(structure(x) for x in rest[0]))
+            if kind == "dict":
+                return (kind, tuple((k, structure(v)) for k, v in rest[0]))
+            return item
+
+        calls = tuple(replace(call, output=structure(call.output), args=tuple(
+            replace(a, shape=resized(a.shape, a.source not in (PARAM, CONST))) for a in call.args))
+            for call in self.block_calls)
+        output = (resized(self.output[0]),) + tuple(self.output[1:]) if self.output else ()
+        return replace(self, input_shape=resized(self.input_shape), block_calls=calls, output=output,
+                       input_bytes=self.input_bytes * batch // example)
 
     def index_of(self, name: str) -> int:
         """The index of the layer called ``name``, or a ``PlanError`` that lists some of the names."""

@@ -71,6 +71,8 @@ class Values(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if tensors and not any(t.is_meta for t in tensors):  # real tensors only (an index table a forward builds
+            return func(*args, **kwargs)  # and caches): run once, as they are (again, for a value, would mutate twice)
         known = all(t in self._values or not t.is_meta for t in tensors)
         if func in _SCALARS:
             if not known:

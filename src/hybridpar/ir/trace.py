@@ -1,7 +1,7 @@
 """The tracer behind the model analysis (``hybridpar.ir.analysis``): a ``TorchFunctionMode`` that records
 leaf modules and the tensor operations between them as layer records, follows views of their outputs dim by
 dim (``rules.alias_dims``), counts what autograd saves, gives the spatial runtime's verdict on every operation
-a split volume meets (``rules.spatial_refusals``), and records what each block call receives and returns.
+a split volume meets (``rules.spatial_rule``, ``ir.placements``), and records what each block call receives and returns.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hybridpar.ir import rules
 from hybridpar.ir.graph import CONST, INPUT, PARAM, Read, View
-
-PARTITIONED, REPLICATED = "partitioned", "replicated"  # of a spatially split model's tensors
+from hybridpar.ir.placements import PARTITIONED, Placements
 
 ATTENTION_FUNCTIONS = rules.ATTENTION
 
@@ -92,7 +91,9 @@ class Tracer(TorchFunctionMode):
         self.buffers = {id(b) for b in model.buffers()}
         self.counts: dict[str, int] = {}
         self.quiet = 0  # our own bookkeeping (numel, shapes) is not the model's
-        self.status: dict[int, str] = {id(x): PARTITIONED} if volume else {}
+        self.slabs = Placements(model.training)  # where the spatial split lies in each tensor
+        if volume:
+            self.slabs.split(x, x.dim() - 2)
         self.module_records: dict[int, LayerTrace] = {}
         self.values: dict[int, int] = {}  # id of a tensor passed to a block -> its number (BlockArg.value)
         self.refusals: list[tuple[int | None, str]] = []
@@ -146,31 +147,8 @@ class Tracer(TorchFunctionMode):
     def _spatial(self, name: str, args, kwargs, out) -> None:
         if self.converted:
             return
-        leaves = self._tensors((args, kwargs))
-        statuses = {self.status.get(id(t)) for t in leaves} - {None}
-        if not statuses or not self._tensors(out):
-            return
         where = self.module_stack[-1] if self.module_stack and self.module_stack[-1] else "<root>"
-        if PARTITIONED in statuses:
-            ndim = next(t.dim() for t in leaves if self.status.get(id(t)) == PARTITIONED)
-            refused = rules.spatial_refusals(
-                name, args, kwargs, lambda v: isinstance(v, torch.Tensor) and self.status.get(id(v)) == PARTITIONED,
-                lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None, ndim, where)
-            self.refusals.extend(refused)
-            self._mark(out, None if any(a is None for a, _ in refused) else PARTITIONED)
-        else:
-            refused = rules.replicated_refusal(name, self.training, where)
-            if refused:
-                self.refusals.append((None, refused))
-            self._mark(out, REPLICATED)
-
-    def _mark(self, out, status: str | None) -> None:
-        for t in self._tensors(out):
-            if status is None:
-                self.status.pop(id(t), None)
-            else:
-                self.status[id(t)] = status
-            self.alive.append(t)
+        self.refusals.extend(self.slabs.function(name, args, kwargs, out, where))
 
     # --- layers ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -196,7 +174,7 @@ class Tracer(TorchFunctionMode):
             in_shapes=tuple(tuple(t.shape) for t in tensors), in_bytes=_bytes(tensors), args=_simple_args(args, kwargs),
             params=tuple(dict.fromkeys(name for r in reads if r.source == PARAM for name in r.params)),
             flops0=self.counter.get_total_flops() if flops0 is None else flops0,
-            spatial_in=bool(tensors) and self.status.get(id(tensors[0])) == PARTITIONED, path=path,
+            spatial_in=bool(tensors) and self.slabs.status(tensors[0]) == PARTITIONED, path=path,
         )
         self.current = record
         return record

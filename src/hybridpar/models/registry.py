@@ -21,16 +21,17 @@ def known_names() -> list[str]:
     return [*VOLUME_MODELS, *GPT_PRESETS]
 
 
-def build_for_planning(name: str, input_shape: tuple[int, ...],
-                       input_dtype: str = "auto") -> tuple[nn.Module, torch.Tensor]:
-    """A meta-device model and an example input of ``input_shape`` (batch first).
+def build_for_planning(name: str, input_shape: tuple[int, ...], input_dtype: str = "auto",
+                       device: str = "meta") -> tuple[nn.Module, torch.Tensor]:
+    """A meta-device model (or one on ``device``, with its weights: ``hybridpar plan --verify``) and an example input
+    of ``input_shape`` (batch first).
 
     ``cosmoflow`` takes its edge and channels from ``(N, C, S, S, S)``; ``unet3d`` its channels; a GPT preset
     takes token ids ``(B, T)``; ``pkg.module:factory`` is called with no arguments and gets an input of
     ``input_dtype``: ``auto`` gives token ids (zeros) to a model whose first module is an ``nn.Embedding``
     (``hybridpar.ir.analysis.input_dtype_of``), a float volume or sequence to any other.
     """
-    with torch.device("meta"):
+    with torch.device(device):
         if name == "cosmoflow":
             _check_volume(name, input_shape)
             return cosmoflow(size=input_shape[2], in_channels=input_shape[1]), torch.empty(input_shape)

@@ -37,6 +37,7 @@ from hybridpar.errors import PlanError
 from hybridpar.geometry import Grid
 from hybridpar.ir.analysis import blocks
 from hybridpar.ir.check import Checked, replica_batch
+from hybridpar.ir.graph import ModelGraph
 from hybridpar.ir.types import Plan
 from hybridpar.mesh import build_mesh, device_of, flat_mesh
 from hybridpar.parallel import pipeline
@@ -50,24 +51,26 @@ BATCH_NORM_SCOPES = {"global": ("dp", "spatial"), "spatial": ("spatial",)}  # th
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                example_input: torch.Tensor | None = None, batch_norm: str = "global") -> ParallelModel:
+                example_input: torch.Tensor | None = None, batch_norm: str = "global",
+                graph: ModelGraph | None = None) -> ParallelModel:
     """``model`` run as ``plan`` says over ``mesh`` (axes ``pp, dp, spatial, tp``; built from the plan if
     ``None``). ``loss_fn(output, target)`` must be a mean over the samples. ``example_input`` (a tensor of
     one step's global batch, or any batch) is what the model is analysed with; by default a tensor of
     ``plan.input_shape``, of token ids for a model that starts with an ``nn.Embedding``. Under spatial
     parallelism, batch-norm statistics are taken over the global batch (``batch_norm="global"``: the
     ``dp x spatial`` ranks) or over each replica's (``"spatial"``: its spatial ranks). ``model`` is
-    consumed: use the returned model's ``full_state_dict()`` to read its weights."""
+    consumed: use the returned model's ``full_state_dict()`` to read its weights. ``graph``: the model's analysis for
+    ``example_input`` (``hybridpar.ir.graph_of``), where the caller has it already: a model is analysed once."""
     if batch_norm not in BATCH_NORM_SCOPES:
         raise PlanError(f"batch_norm = {batch_norm!r}: use one of {', '.join(BATCH_NORM_SCOPES)}")
-    checked = check_plan(model, plan, example_input)
+    checked = check_plan(model, plan, example_input, graph)
     graph, groups = checked.graph, [list(g) for g in checked.groups]
     shape = graph.input_shape
     grid = plan.grid if math.prod(plan.spatial) > 1 else Grid((1,) * max(len(shape) - 2, 1))  # one part per dim
     names = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
     params = {name for name, _ in model.named_parameters()}
-    stages = checked.holders
-    owners = {name: stage % plan.pp for name, stage in stages.items()}
+    holders = {name: tuple(dict.fromkeys(s % plan.pp for s in stages)) for name, stages in checked.holders.items()}
+    owners = {name: ranks[0] for name, ranks in holders.items()}
     mesh = mesh if mesh is not None else build_mesh(plan.dims, dist.get_world_size())  # the first collective
     check_mesh(plan, mesh)
     pp_rank = mesh["pp"].get_local_rank()
@@ -84,8 +87,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None, *,
     if plan.pp > 1:
         schedule = pipeline.build_schedule(modules, checked.micro_graph, groups, plan.schedule, plan.micro_batches,
                                            loss_fn, mesh["pp"].get_group(), device, _local_shape(plan, grid, mesh))
-    tied = _tied_groups([names for names in graph.shared if len({stages.get(n) for n in names}) > 1]
-                        if plan.pp > 1 else [], stages, mesh, plan.pp)
+    tied = _tied_groups(_copied(graph.shared, params, checked.holders), holders, mesh, plan.pp) if plan.pp > 1 \
+        else []
     batch = replica_batch(plan, shape[0])
     return ParallelModel(modules, schedule, plan, mesh, loss_fn, names, params, owners, manual_sync, batch, tied)
 
@@ -118,19 +121,26 @@ class _ScheduleLoss:
         return output.new_zeros(()) if self.off else self.fn(output, target)
 
 
-def _tied_groups(tied: list[tuple[str, ...]], stages: dict[str, int], mesh: DeviceMesh, pp: int) -> list:
-    """For each parameter that several pipeline stages hold a copy of: ``(its names, the process group of the pp
-    ranks of this rank's pipeline that hold a copy)``, or no group where one rank holds them all (its stages'
-    copies are summed locally); left out where this rank holds no copy. Every rank creates every group, in
-    the same order (``new_group`` asks it)."""
+def _copied(shared: tuple[tuple[str, ...], ...], params: set[str], stages: dict[str, tuple[int, ...]]) -> list:
+    """The names of each parameter that several pipeline stages hold a copy of: one used by blocks of several stages
+    (a head tied to the token embedding), or one that belongs to no block (every stage holds it)."""
+    groups = list(shared) + [(name,) for name in sorted(params) if not any(name in g for g in shared)]
+    return [names for names in groups if len({r for n in names for r in stages.get(n, ())}) > 1]
+
+
+def _tied_groups(tied: list[tuple[str, ...]], holders: dict[str, tuple[int, ...]], mesh: DeviceMesh, pp: int) -> list:
+    """For each parameter that several pipeline ranks hold a copy of: ``(its names, the process group of the pp ranks
+    of this rank's pipeline that hold a copy)``, or no group where one rank holds them all (its stages' copies are
+    summed locally); left out where this rank holds no copy. Every rank creates every group, in the same order
+    (``new_group`` asks it)."""
     lines = mesh.mesh.movedim(0, -1).reshape(-1, pp).tolist()  # the global ranks of each pipeline
     me, out = dist.get_rank(), []
     for names in tied:
-        holders = sorted({stages[n] % pp for n in names if n in stages})
+        ranks = sorted({r for n in names for r in holders.get(n, ())})
         mine = None
         for line in lines:
-            group = dist.new_group([line[r] for r in holders]) if len(holders) > 1 else None
-            if me in line and line.index(me) in holders:
+            group = dist.new_group([line[r] for r in ranks]) if len(ranks) > 1 else None
+            if me in line and line.index(me) in ranks:
                 mine = (names, group)
         if mine is not None:
             out.append(mine)

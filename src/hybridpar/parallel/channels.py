@@ -108,6 +108,9 @@ class _SplitConv(nn.Module):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.split_dim, self.parts = group, dim, size
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        # the original conv's geometry, for model code that reads it (a "same" padding computed from the stride)
+        self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
+        self.dilation, self.groups, self.padding_mode = conv.dilation, conv.groups, conv.padding_mode
         width = conv.weight.shape[dim] // size
         channels = (conv.in_channels, width) if dim == 0 else (width, conv.out_channels)
         self.conv = type(conv)(*channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,

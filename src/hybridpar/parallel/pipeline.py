@@ -151,7 +151,7 @@ class StageRun:
         if missing:
             raise PlanError(f"a pipeline stage did not see {len(missing)} of the values it must send; the model's "
                             "forward passes its blocks other tensors than in its analysis")
-        sent = tuple(values[v] for v in self.interface.sends)
+        sent = tuple(values[v].contiguous() for v in self.interface.sends)  # sent as laid out for the receiver
         return sent[0] if len(sent) == 1 else sent
 
 
@@ -171,7 +171,7 @@ def connect(module: nn.Module, run: StageRun) -> None:
     needs (``StageRun``): on the module, and on each block it holds. A chain of blocks (``ModelGraph.is_chain``)
     needs none: its stage takes the previous stage's output as its input, the skipped blocks pass it on."""
     if run.graph.is_chain:  # what the model returns (a dict, a ModelOutput) is the activation in it
-        module.register_forward_hook(lambda m, args, output: model_output(output))
+        module.register_forward_hook(lambda m, args, output: model_output(output).contiguous())
         return
     module.register_forward_pre_hook(run.before, with_kwargs=True)
     module.register_forward_hook(run.after, with_kwargs=True)

@@ -31,16 +31,15 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
     graph = graph or graph_of(model, example, dtype=_dtype_name(model))
     checked = check(plan, graph)
     if plan.pp > 1:
-        checked = replace(checked, micro_graph=_micro_graph(model, plan, graph, example, checked.groups))
+        checked = replace(checked, micro_graph=_micro_graph(model, plan, graph, checked.groups))
     return checked
 
 
-def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, example, groups) -> ModelGraph:
-    """The graph of one micro-batch: the shapes the pipeline stages exchange and stand in for; each stage is
-    run on the meta device, as it will run, so that a forward the stages cannot run fails here."""
-    size = replica_batch(plan, graph.input_shape[0]) // plan.micro_batches
-    piece = torch.zeros((size,) + tuple(example.shape[1:]), dtype=example.dtype, device="meta")
-    micro = graph_of(model, piece, dtype=_dtype_name(model))
+def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, groups) -> ModelGraph:
+    """The graph of one micro-batch (``ModelGraph.at_batch``, no second trace): the shapes the pipeline stages
+    exchange and stand in for; each stage is run on the meta device, as it will run, so that a forward the stages
+    cannot run fails here."""
+    micro = graph.at_batch(replica_batch(plan, graph.batch) // plan.micro_batches)
     pipeline.check_stages(model, micro, [list(g) for g in groups])
     return micro
 

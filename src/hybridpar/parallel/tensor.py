@@ -135,6 +135,10 @@ def apply_splits(model: nn.Module, splits: Mapping[str, Split], mesh: DeviceMesh
         setattr(model.get_submodule(parent) if parent else model, child, conv)
     if styles:
         parallelize_module(model, mesh, styles)
+    for name, split in splits.items():
+        module = _held(model, name) if split.clone_output and name in styles else None
+        if module is not None:  # DTensor hands back a view of its local tensor, which autograd forbids writing into
+            module.register_forward_hook(lambda m, args, out: out.clone())
     for names in shared:
         _tie(model, names)
     return model

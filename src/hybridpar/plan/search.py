@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from hybridpar.dims import ParallelDims
 from hybridpar.errors import PlanError
+from hybridpar.ir import rules
 from hybridpar.ir.graph import ModelGraph
 from hybridpar.ir.rules import check_grid
 from hybridpar.ir.types import Plan
@@ -106,7 +107,6 @@ def _threshold(top: int, best_per_mesh: dict[ParallelDims, float], family_best: 
 def _runnable(graph: ModelGraph, all_meshes: list[ParallelDims], log: _Log) -> list[ParallelDims]:
     """The meshes whose spatial grid the model splits into, and without pipelines where a batch norm refuses
     them; the others logged with why."""
-    norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)
     out = []
     for dims in all_meshes:
         try:
@@ -114,9 +114,9 @@ def _runnable(graph: ModelGraph, all_meshes: list[ParallelDims], log: _Log) -> l
         except PlanError as err:
             log.fail(dims, f"spatial grid {'x'.join(map(str, dims.spatial))}: {err}")
             continue
-        if dims.pp > 1 and norm is not None:
-            log.fail(dims, f"pp={dims.pp}: layer {norm.name!r} is a batch norm, whose statistics a pipeline would "
-                           "take per micro-batch, unlike one process on the batch")
+        refused = rules.pipeline_norm_refusal(graph, dims.pp) if dims.pp > 1 else None  # the search's pipelines
+        if refused:  # take at least one micro-batch per stage
+            log.fail(dims, f"pp={dims.pp}: {refused}")
             continue
         out.append(dims)
     return out

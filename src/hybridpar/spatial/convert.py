@@ -74,9 +74,18 @@ class SpatialContext:
         runs while the halo travels and the thin border convs are slow (docs/benchmarks.md)."""
         return x.is_cuda if self.overlap is None else self.overlap
 
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        slab = self.grid.slab(tuple(shape[2:]), self.comm.rank)
-        return tuple(shape[:2]) + tuple(b - a for a, b in slab)
+    def local_shape(self, shape: tuple[int, ...], placement=None) -> tuple[int, ...]:
+        """This rank's part of a tensor of global ``shape`` split in slabs as ``placement`` says (the dim of each
+        spatial axis; by default the volume's own, dims 2 and on)."""
+        if self.grid.size == 1:
+            return tuple(shape)
+        placement = placement or tuple(range(2, len(shape)))
+        out = list(shape)
+        for axis, d in enumerate(placement):
+            if d is not None and axis < self.grid.ndim:
+                start, stop = self.grid.bounds(axis, shape[d])[self.coords[axis]]
+                out[d] = stop - start
+        return tuple(out)
 
     # -- forward of the root: global shape, trace once per shape --------------------------------
 
@@ -106,7 +115,7 @@ class SpatialContext:
         self.state = checks.TraceState(self.grid.parts, self.twin.training)
         self.calls = {}
         x = torch.empty(shape, dtype=dtype, device="meta")
-        self.state.mark(x, PARTITIONED)
+        self.state.slabs.split(x, len(shape) - 2)
         self.model_input = x
         hooks = self._path_hooks(self.twin)
         try:
@@ -169,31 +178,31 @@ class SpatialContext:
 
     def _trace_layer(self, module, forward, args, kwargs, key):
         x = args[0]
-        status = self.state.status(x)
+        # one part (a batch norm summing its statistics over data parallelism): every tensor is all of its slab
+        status = PARTITIONED if self.grid.size == 1 else self.state.status(x)
         self.state.suspended += 1
         try:
             out = forward(*args, **kwargs)
         finally:
             self.state.suspended -= 1
+        canonical, placement = self.state.slabs.canonical(x), self.state.slabs.placement(x)
+        self.state.check(self.state.slabs.module(module, x, out, self.paths[id(module)]))
         geo = None
-        if status == PARTITIONED:
+        if status == PARTITIONED and (canonical or isinstance(module, nn.Dropout)):
             where = self.where(module)
             if getattr(module, "return_indices", False):
                 raise UnsupportedModuleError(
                     f"{where}: return_indices=True gives indices into the local slab, not the global volume; "
                     "use return_indices=False"
                 )
-            self.grid.check_shape(tuple(x.shape[2:]), where)
-            if module._hp_output == PARTITIONED:
+            if self.grid.size > 1:
+                self.grid.check_shape(tuple(x.shape[2:]), where)
+            if module._hp_output == PARTITIONED and self.grid.size > 1:
                 self.grid.check_shape(tuple(out.shape[2:]), f"{where} output")
             self.reads_model_input = x is self.model_input
             geo = module._hp_plan(tuple(x.shape), tuple(out.shape), self)
-        local = self.local_shape(tuple(x.shape)) if status == PARTITIONED else tuple(x.shape)
+        local = self.local_shape(tuple(x.shape), placement) if status == PARTITIONED else tuple(x.shape)
         self.current.records[key] = LayerRecord(status, tuple(x.shape), local, geo)
-        if status == PARTITIONED:
-            self.state.mark(out, module._hp_output)
-        elif status == REPLICATED:
-            self.state.mark(out, REPLICATED)
         return out
 
 
@@ -224,12 +233,14 @@ def global_shape(x: torch.Tensor, comm: SpatialComm, what: str) -> tuple[int, ..
 
 
 def _convert(module: nn.Module, ctx: SpatialContext) -> None:
+    """Each layer of a kind the spatial runtime runs on slabs becomes its spatial version; with one part (a grid of
+    ones: batch-norm statistics summed over data parallelism only), the batch norms alone."""
     for path, m in module.named_modules():
         ctx.paths[id(m)] = path
         if isinstance(m, SpatialLayer):
             raise UnsupportedModuleError(f"module '{path or '<root>'}' is already spatially parallel")
         kind = _layer_kind(type(m))
-        if kind is None:
+        if kind is None or (ctx.grid.size == 1 and not isinstance(m, nn.modules.batchnorm._BatchNorm)):
             continue
         m.__class__ = _subclass(kind, type(m))
         m._hp_ctx = ctx

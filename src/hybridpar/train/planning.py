@@ -27,19 +27,27 @@ from hybridpar.plan import plan as search_best
 from hybridpar.plan.cluster import GiB
 from hybridpar.train.config import Config
 
+
+def analysed(config: Config, model: nn.Module, example_input) -> tuple:
+    """``(model, example_input, graph)``: the model (on the meta device) analysed once for one step's example input,
+    what the plan is chosen and checked on, the run parallelized with and re-planned on (a rebalanced plan)."""
+    return model, example_input, graph_of(model, example_input, config.train.dtype)
+
+
 PLAN_FILE_HELP = 'plan takes "auto", the path of a plan JSON file (hybridpar plan --out plan.json), or ""'
 
 
-def plan_for(config: Config, model: nn.Module, example_input, world_size: int, rescale: bool = False) -> Plan:
+def plan_for(config: Config, model: nn.Module, example_input, world_size: int, rescale: bool = False,
+             graph: ModelGraph | None = None) -> Plan:
     """The run's plan for ``world_size`` processes: searched (``plan = "auto"``), read from the plan file and
     checked, or the ``[mesh]`` section's. ``model`` may live on the meta device; ``example_input`` is one
     step's global batch (a tensor: of token ids for a GPT, else on the meta device). The plan is checked
     against the model as ``hybridpar.parallelize`` will apply it. With ``rescale`` (a run resumed or restarted
     on another number of processes), a plan file's or ``[mesh]``'s plan made for another world size is
-    re-planned for this one: ``rescaled``."""
+    re-planned for this one: ``rescaled``. ``graph``: the model's analysis, where the caller has it (``analysed``)."""
     from hybridpar.parallel.plan_check import check_plan
 
-    graph = graph_of(model, example_input, config.train.dtype)
+    graph = graph or graph_of(model, example_input, config.train.dtype)
     if config.plan:
         plan = (_search(config, graph, world_size) if config.plan == "auto"
                 else _from_file(config, graph, world_size, rescale))
@@ -60,15 +68,14 @@ def plan_for(config: Config, model: nn.Module, example_input, world_size: int, r
 HEADROOM = 0.9  # of a device's memory, what a rebalanced rank's predicted peak may take
 
 
-def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, ...], allowed=lambda p: True,
-              memory: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())) -> Plan:
+def sized_for(model: nn.Module, example_input, graph: ModelGraph, plan: Plan, speeds: tuple[float, ...],
+              allowed=lambda p: True, memory: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())) -> Plan:
     """``plan`` with its work sized to the ranks' measured ``speeds`` (``plan.sizing.sized``: uneven shares and
     slabs, a pipeline's stages moved), among the plans ``allowed`` that ``hybridpar.parallelize`` runs on
     ``model`` (on the meta device) and in which no rank's measured peak of memory (``memory``: peaks and device
     bytes per rank, 0 where not known), grown with its work, passes ``HEADROOM`` of its device."""
     from hybridpar.parallel.plan_check import check_plan
 
-    graph = graph_of(model, example_input, plan.dtype)
     layers = sizing.Layers.of(graph) if plan.pp > 1 else None
     peaks, capacities = memory
 
@@ -88,7 +95,8 @@ def sized_for(model: nn.Module, example_input, plan: Plan, speeds: tuple[float, 
     return sizing.sized(plan, speeds, runs, layers)
 
 
-def cluster_speeds(config: Config, model: nn.Module, example_input, plan: Plan) -> tuple[float, ...] | None:
+def cluster_speeds(config: Config, model: nn.Module, example_input, graph: ModelGraph,
+                   plan: Plan) -> tuple[float, ...] | None:
     """Each rank's speed on a mixed cluster (``config.cluster``: the cost model's, ``plan.mixed``), which its plan
     was sized for; ``None`` on one kind of device."""
     if not config.cluster:
@@ -98,13 +106,13 @@ def cluster_speeds(config: Config, model: nn.Module, example_input, plan: Plan) 
     spec = _cluster(config, plan.world_size)
     if not isinstance(spec, MixedCluster):
         return None
-    per_group = group_speeds(spec, replace(plan, shares=(), slabs=()), graph_of(model, example_input, plan.dtype))
+    per_group = group_speeds(spec, replace(plan, shares=(), slabs=()), graph)
     return tuple(per_group[spec.group_of_rank(r)] for r in range(plan.world_size))
 
 
-def layers_for(model: nn.Module, example_input, plan: Plan) -> sizing.Layers | None:
+def layers_for(model: nn.Module, example_input, graph: ModelGraph, plan: Plan) -> sizing.Layers | None:
     """What sizes a pipeline's stages (``plan.sizing.Layers``) for a plan with pp > 1; ``None`` without stages."""
-    return sizing.Layers.of(graph_of(model, example_input, plan.dtype)) if plan.pp > 1 else None
+    return sizing.Layers.of(graph) if plan.pp > 1 else None
 
 
 def mesh_plan(config: Config, input_shape: tuple[int, ...], world_size: int, rescale: bool = False) -> Plan:

@@ -5,7 +5,7 @@ of rule (views, slabs, splits, regions, cuts); ``hybridpar.ir.rules.X`` names ea
 - **Views** (``alias_dims``): where a view, reshape, transpose or index moves each dim of a tensor, so that a
   split of one layer's output (a column layer's features, the heads they hold) can be followed to every
   layer that reads it.
-- **Spatial** (``spatial_refusals``, ``SPATIAL_MODULES``): which modules the spatial runtime converts, and which
+- **Spatial** (``spatial_rule``, ``SPATIAL_MODULES``): which modules the spatial runtime converts, and which
   functions are exact on slabs of a split volume (everything else mixes positions and is refused).
 - **Tensor parallelism** (``tp_*``, ``check_assignment``, ``regions``): which layers split column-, row- or
   shard-wise, how a split travels through views to its readers, which layout changes the runtime makes
@@ -37,12 +37,13 @@ from hybridpar.ir.rules.slabs import (
     LOCAL_ONLY,
     MIXING,
     POINTWISE,
+    POSITION_WISE_MODULES,
     SOFTMAX,
     SPATIAL_MODULES,
     first_refusal,
     replicated_refusal,
     spatial_base,
-    spatial_refusals,
+    spatial_rule,
 )
 from hybridpar.ir.rules.splits import (
     FIELDS,
@@ -68,6 +69,7 @@ from hybridpar.ir.rules.stages import (
     check_stage_count,
     holding_stages,
     legal_starts,
+    pipeline_norm_refusal,
     some,
     stage_groups,
     stage_starts,
@@ -79,17 +81,18 @@ from hybridpar.ir.rules.views import (
     SHAPE_ONLY,
     TRANSPOSES,
     alias_dims,
+    is_inplace,
     local_view_shape,
     view_sizes,
 )
 
 __all__ = ["ALIASES", "ATTENTION", "CONCAT", "DEFAULT_HINT", "DROPOUT", "FIELDS", "GATHERING_MODULES", "HINTS",
-           "LAYOUTS", "LOCAL_ONLY", "MIXING", "POINTWISE", "RESHAPES", "Region", "SAME_DIMS", "SHAPE_ONLY",
-           "SHARD_KINDS", "SHARD_OPS", "SOFTMAX", "SPATIAL_MODULES", "SPLIT", "SPLITTABLE", "Split",
-           "StageInterface", "TOKEN_WISE", "TP_STRATEGIES", "TRANSPOSES", "WHOLE", "alias_dims",
-           "check_assignment", "check_grid", "check_micro_batches", "check_shared", "check_stage_count",
-           "checkpointed_stages_refusal", "crossing_sources", "first_refusal", "gathers", "holding_stages",
-           "idle_tp_refusal", "legal_starts", "local_view_shape", "passes", "regions", "replicated_refusal",
-           "sequence_splits", "some", "spatial_base", "spatial_refusals", "splits_dim", "stage_cut_refusal",
-           "stage_groups", "stage_interfaces", "stage_io", "stage_starts", "standalone", "tp_refusal", "view_sizes",
-           "weight_split"]
+           "LAYOUTS", "LOCAL_ONLY", "MIXING", "POINTWISE", "POSITION_WISE_MODULES", "RESHAPES", "Region",
+           "SAME_DIMS", "SHAPE_ONLY", "SHARD_KINDS", "SHARD_OPS", "SOFTMAX", "SPATIAL_MODULES", "SPLIT",
+           "SPLITTABLE", "Split", "StageInterface", "TOKEN_WISE", "TP_STRATEGIES", "TRANSPOSES", "WHOLE",
+           "alias_dims", "check_assignment", "check_grid", "check_micro_batches", "check_shared",
+           "check_stage_count", "checkpointed_stages_refusal", "crossing_sources", "first_refusal", "gathers",
+           "holding_stages", "idle_tp_refusal", "is_inplace", "legal_starts", "local_view_shape", "passes",
+           "pipeline_norm_refusal", "regions", "replicated_refusal", "sequence_splits", "some", "spatial_base",
+           "spatial_rule", "splits_dim", "stage_cut_refusal", "stage_groups", "stage_interfaces", "stage_io",
+           "stage_starts", "standalone", "tp_refusal", "view_sizes", "weight_split"]

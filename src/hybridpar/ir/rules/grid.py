@@ -1,6 +1,6 @@
 """Spatial grids: whether a model's layers run exactly on the slabs of a grid (``check_grid``): no operation that
-mixes positions along a split dim (``spatial_refusals``, recorded by the analysis), every slab at least one row,
-every halo within a neighbour's slab (the runtime's ``plan_exchange``, in closed form for zero padding)."""
+mixes positions along a split dim (``ModelGraph.spatial_refusals``, recorded by the analysis), every slab at least
+one row, every halo within a neighbour's slab (the runtime's ``plan_exchange``, in closed form for zero padding)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,19 @@
-"""Spatial parallelism: which modules the spatial runtime converts (``SPATIAL_MODULES``), and which functions are
-exact on slabs of a split volume (``spatial_refusals``: everything else mixes positions and is refused)."""
+"""Spatial parallelism: which modules the spatial runtime converts (``SPATIAL_MODULES``), and what every function does
+to the slabs of a split volume (``spatial_rule``: the split followed through views and position-wise functions;
+everything that mixes positions along a split dim is refused)."""
 
 from __future__ import annotations
 
-from hybridpar.ir.rules.views import RESHAPES, SAME_DIMS, TRANSPOSES, call_arg, wrap_dim
+from hybridpar.ir.rules.views import (
+    ALIASES,
+    RESHAPES,
+    SAME_DIMS,
+    TRANSPOSES,
+    alias_dims,
+    call_arg,
+    view_sizes,
+    wrap_dim,
+)
 
 # torch.nn classes the spatial runtime converts (hybridpar.spatial.layers); a subclass that keeps the class's
 # forward is converted alike, one that overrides it is checked function by function
@@ -13,6 +23,7 @@ SPATIAL_MODULES = frozenset("""Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspos
     InstanceNorm3d GroupNorm Upsample Flatten Dropout Dropout1d Dropout2d Dropout3d""".split())
 GATHERING_MODULES = frozenset("""Flatten AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d
     AdaptiveMaxPool2d AdaptiveMaxPool3d""".split())  # their output is whole (the same) on every rank
+POSITION_WISE_MODULES = frozenset({"Dropout"})  # work value by value: on a split tensor wherever its split lies
 
 
 def spatial_base(cls: type) -> type | None:
@@ -52,59 +63,135 @@ HINTS = {
 }
 MIXING = frozenset(RESHAPES | TRANSPOSES | {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "unfold",
                                             "roll", "matmul", "bmm", "einsum"})
+ELSEWHERE = ("leave spatial at 1 and use data, tensor or pipeline parallelism, or, for a dense head, put nn.Flatten() "
+             "before it (it gathers the slabs exactly)")
 DEFAULT_HINT = "use the nn module for it (Conv, Pool, Upsample, Norm, Flatten), which hybridpar converts exactly"
 
 
-def spatial_refusals(name: str, args: tuple, kwargs: dict, is_split, shapes, ndim: int, where: str):
-    """Why the function ``name``, called in the forward of ``where`` with a spatially split ``(N, C, *spatial)``
-    tensor of ``ndim`` dims among its arguments, would not compute on a slab what it computes on the whole
-    volume: ``[(axis, message), ...]`` (``axis``: the spatial dim whose split breaks it, ``None``: any split);
-    ``[]`` if it is exact. ``is_split(x)`` says whether an argument is split; ``shapes(x)`` gives a tensor
-    argument's shape (``None`` for anything else)."""
-    axes = range(ndim - 2)
+REDUCTIONS = frozenset("mean sum amax amin max min std var prod logsumexp norm".split())
+NORMS = frozenset({"layer_norm", "rms_norm"})  # over the last dims, each position alone
+
+
+def spatial_rule(name: str, args: tuple, kwargs: dict, out_shape: tuple[int, ...], placement, shapes, where: str):
+    """What the function ``name``, called in the forward of ``where`` with a spatially split tensor among its
+    arguments, does to the split: ``(refusals, placement out)``. ``placement(x)`` is, for an argument split in
+    slabs, the dim that carries each spatial axis (``None`` where none does), and ``None`` for any other argument;
+    ``shapes(x)`` a tensor argument's shape, ``out_shape`` that of (the first of) its outputs. ``refusals`` is
+    ``[(axis, message), ...]``: the spatial axis whose split the function would not compute on a slab as on the
+    whole volume (``None``: any split); the placement out is that of the outputs (for an axis refused, ``None``).
+    The split is followed through every view, as DTensor's sharding propagation does: a permute moves it (a
+    channels-last norm is exact), a reshape keeps it where its dim stays the outermost of a group and is given as
+    ``-1``, a view that moves it onto another axis or fixes its size is refused; position-wise functions
+    (pointwise, norms and ``linear`` over unsplit dims, reductions and softmax along them) keep it; anything that
+    mixes positions along a split dim is refused."""
+    leaves = _leaves((args, kwargs))
+    first = next(v for v in leaves if placement(v) is not None)
+    place, shape = placement(first), shapes(first)
+    n, axes = len(shape), range(len(place))
     where = f"the forward of '{where}'"
+    split = {d: axis for axis, d in enumerate(place) if d is not None}
+
+    def refuse(axis, what: str) -> tuple[int | None, str]:
+        return axis, f"{name} on a spatially split tensor in {where} {what}"
+
+    def along(dims) -> list[int]:  # the spatial axes whose dims are among ``dims`` (of the first argument)
+        return sorted(split[d % n] for d in dims if d % n in split) if n else []
+
     if name in POINTWISE:
-        out = []
-        for value in _leaves((args, kwargs)):
-            shape = shapes(value)
-            if shape is None or is_split(value):
+        out_n = max(len(shapes(v)) for v in leaves if shapes(v) is not None)
+        out = tuple(None if d is None else d + out_n - n for d in place)
+        refused = []
+        for value in leaves:
+            other = shapes(value)
+            if other is None or value is first:
+                continue
+            lead = out_n - len(other)
+            if placement(value) is not None:
+                if tuple(None if d is None else d + out_n - len(other) for d in placement(value)) != out:
+                    refused.append(refuse(None, "combines tensors split along different dims; split them alike"))
                 continue
             for axis in axes:
-                dim = 2 + axis - (ndim - len(shape))
-                if dim >= 0 and shape[dim] != 1:
-                    out.append((axis, f"{name} in {where} combines a spatially split tensor with a whole tensor of "
-                                      f"shape {tuple(shape)} along split dim {2 + axis}; make that tensor size 1 "
-                                      "along the split dims, or compute it from the input"))
-        return out
-    if name in CONCAT and wrap_dim(call_arg(args, kwargs, 1, "dim", 0), ndim) in (0, 1):
-        return []
-    softmax_dim = call_arg(args, kwargs, 1, "dim") if name in SOFTMAX else None
-    if softmax_dim is not None and wrap_dim(softmax_dim, ndim) == 1:
-        return []
-    if name == "linear":
-        return [(ndim - 3, f"linear on a spatially split tensor in {where} contracts its last dim, which is split; "
-                           f"{LOCAL_ONLY.format(what='it')}")]
-    if name == "__getitem__" and _channel_index(args[1] if len(args) > 1 else ()):
-        return []
+                d = None if out[axis] is None else out[axis] - lead
+                if d is not None and d >= 0 and other[d] != 1:
+                    refused.append(refuse(axis, f"combines a spatially split tensor with a whole tensor of shape "
+                                                f"{tuple(other)} along the split dim {out[axis]}; make that tensor "
+                                                "size 1 along the split dims, or compute it from the input"))
+        return refused, out
+    if name in ALIASES:
+        return _view_rule(name, args, kwargs, place, shape, out_shape, refuse)
+    if name in CONCAT:
+        dim = wrap_dim(call_arg(args, kwargs, 1, "dim", 0), n)
+        parts = call_arg(args, kwargs, 0, "tensors", ())
+        if dim in split or any(placement(t) != place for t in parts if shapes(t) is not None):
+            return [refuse(None, "joins tensors along a split dim, or a split tensor with a whole one; concatenate "
+                                 "along the batch, the channels or an unsplit dim")], None
+        return [], place
+    if name in SOFTMAX or name in REDUCTIONS:
+        dims = call_arg(args, kwargs, 1, "dim")
+        if dims is None:
+            return [refuse(None, f"reduces over every dim, the split ones too; {HINTS.get(name, DEFAULT_HINT)}")], \
+                None
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        hit = along(dims)
+        if name in SOFTMAX:
+            return [refuse(a, f"works along the split dim {place[a]}") for a in hit], tuple(
+                None if a in hit else d for a, d in enumerate(place))
+        keep = call_arg(args, kwargs, 2, "keepdim", False) is True
+        gone = sorted({d % n for d in dims})
+        out = tuple(None if d is None or d in gone and not keep else d - (0 if keep else sum(g < d for g in gone))
+                    for d in place)
+        return [refuse(a, f"reduces along the split dim {place[a]}; {HINTS.get(name, DEFAULT_HINT)}") for a in hit], \
+            tuple(None if a in hit else d for a, d in enumerate(out))
+    if name in NORMS:
+        normalized = call_arg(args, kwargs, 1, "normalized_shape", ())
+        normalized = (normalized,) if isinstance(normalized, int) else tuple(normalized or ())
+        hit = along(range(n - len(normalized), n))
+        return [refuse(a, f"normalises over the split dim {place[a]}; normalise over unsplit dims, or use a norm "
+                          "module hybridpar converts (BatchNorm, InstanceNorm, GroupNorm)") for a in hit], place
+    if name in ("linear", "matmul"):
+        other = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
+        hit = along([n - 1])
+        if placement(other) is not None or (name == "matmul" and (n < 2 or first is not args[0])):
+            return [refuse(None, f"mixes positions of the split volume; {LOCAL_ONLY.format(what='it')}")], None
+        return [refuse(a, f"contracts its last dim, which is split; {LOCAL_ONLY.format(what='it')}") for a in hit], \
+            place
     if name == "pad":
         amounts = tuple(call_arg(args, kwargs, 1, "pad", ()))
-        hit = {axis for axis in axes if any(amounts[2 * (ndim - 1 - (2 + axis)) + k] for k in (0, 1)
-                                             if 2 * (ndim - 1 - (2 + axis)) + k < len(amounts))}
-        return [(axis, f"pad on a spatially split tensor in {where} pads its split dim {2 + axis}; {HINTS['pad']} "
-                       "(padding of zero rows, or of the channels, is exact)") for axis in sorted(hit)]
+        padded = {n - 1 - k // 2 for k, v in enumerate(amounts) if v}
+        return [refuse(a, f"pads its split dim {place[a]}; {HINTS['pad']} (padding of zero rows, or of the "
+                          "channels, is exact)") for a in along(padded)], place
     if name == "repeat":
         counts = args[1:]
         counts = tuple(counts[0] if len(counts) == 1 and isinstance(counts[0], (tuple, list)) else counts)
-        if len(counts) != ndim:
-            return [(None, f"repeat on a spatially split tensor in {where} adds dims to it; repeat it along its own "
-                           "dims")]
-        return [(axis, f"repeat on a spatially split tensor in {where} repeats its split dim {2 + axis}; repeat only "
-                       "along the batch, the channels or dims that are not split")
-                for axis in axes if counts[2 + axis] != 1]
+        if len(counts) != n:
+            return [refuse(None, "adds dims to it; repeat it along its own dims")], None
+        return [refuse(a, f"repeats its split dim {place[a]}; repeat only along the batch, the channels or dims "
+                          "that are not split") for a in along(d for d, c in enumerate(counts) if c != 1)], place
     hint = LOCAL_ONLY.format(what=f"{name} (a patch embedding, a flatten into tokens, windows, a matrix product)") \
         if name in MIXING else HINTS.get(name, DEFAULT_HINT)
-    return [(None, f"{name} on a spatially split tensor in {where} would compute on the slab, not the whole "
-                   f"volume; {hint}")]
+    return [refuse(None, f"would compute on the slab, not the whole volume; {hint}")], None
+
+
+def _view_rule(name, args, kwargs, place, shape, out_shape, refuse):
+    """A view of a split tensor (``spatial_rule``): each spatial axis moves with the dim that carries it
+    (``alias_dims``); one whose dim the view cuts or mixes into an inner position, or whose size it gives
+    literally (a rank holds a slab of it), is refused."""
+    where = alias_dims(name, args, kwargs, tuple(range(len(shape))), tuple(shape), tuple(out_shape))
+    sizes = view_sizes(name, args, kwargs)
+    refused, out = [], []
+    for axis, d in enumerate(place):
+        j = where.index(d) if d is not None and d in where else None
+        if d is not None and j is None:
+            refused.append(refuse(axis, f"moves the split dim {d} onto another dim or cuts it ({tuple(shape)} to "
+                                        f"{tuple(out_shape)}); keep the split dim whole, and the outermost of the "
+                                        f"dims a reshape joins, or {ELSEWHERE}"))
+        elif j is not None and sizes is not None and sizes[j] not in (None, -1):
+            refused.append(refuse(axis, f"gives the size of the split dim {j} literally ({sizes[j]} of "
+                                        f"{tuple(out_shape)}), but a rank holds a slab of it; give that size as -1, "
+                                        f"or {ELSEWHERE}"))
+            j = None
+        out.append(j)
+    return refused, tuple(out)
 
 
 def replicated_refusal(name: str, training: bool, where: str) -> str | None:
@@ -121,13 +208,6 @@ def _leaves(tree) -> list:
     if isinstance(tree, dict):
         return [x for item in tree.values() for x in _leaves(item)]
     return [tree]
-
-
-def _channel_index(index) -> bool:
-    index = index if isinstance(index, tuple) else (index,)
-    if not all(isinstance(i, slice) for i in index):
-        return False
-    return all(i == slice(None) for i in index[2:])
 
 
 def first_refusal(refusals, grid: tuple[int, ...]) -> str | None:

@@ -311,6 +311,7 @@ class Split:
     kind: str = "linear"  # linear, embedding, conv, norm (sequence parallelism), or op (nothing to split)
     input_seq: int | None = None  # sequence parallelism: the input arrives split along this dim
     output_seq: int | None = None  # sequence parallelism: the output leaves split along this dim
+    clone_output: bool = False  # a reader writes into the output in place: DTensor's local view of it is copied
 
     @property
     def leaves_split(self) -> bool:

@@ -45,6 +45,17 @@ def check_micro_batches(micro_batches: int, num_stages: int, pp: int, schedule: 
                         f"{rounds}; use a multiple of {pp}")
 
 
+def pipeline_norm_refusal(graph, micro_batches: int) -> str | None:
+    """Why a pipeline of ``micro_batches`` micro-batches would not compute what one process computes on the batch: a
+    batch norm in training takes its statistics over what it is given, one micro-batch. ``None`` if it would."""
+    norm = next((layer for layer in graph.layers if layer.kind == "batch_norm"), None)
+    if norm is None or micro_batches == 1:
+        return None
+    return (f"layer {norm.name!r} ({norm.op}) would take its statistics over each of the {micro_batches} "
+            "micro-batches of a pipeline, not over the batch one process normalises; use micro_batches = 1 (the "
+            "gpipe schedule), or no pipeline")
+
+
 def legal_starts(graph, split: Callable[[int], bool] = lambda i: False) -> list[int]:
     """Layers a stage may start at: 0, and each of the graph's stage starts (``ModelGraph.stage_starts``: a block's
     first layer where the rules allow a cut) where nothing that crosses is split over tp (``split(i)``: layer ``i``
@@ -109,16 +120,17 @@ def stage_groups(graph, cuts: tuple[int, ...]) -> list[list[str]]:
     return [names[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def holding_stages(names: Iterable[str], groups: list[list[str]], pp: int) -> dict[str, int]:
-    """The pipeline stage that holds each state-dict entry (pp rank: the stage modulo ``pp``)."""
+def holding_stages(names: Iterable[str], groups: list[list[str]], pp: int) -> dict[str, tuple[int, ...]]:
+    """The pipeline stages that hold a copy of each state-dict entry (pp rank: the stage modulo ``pp``): the stage
+    of the block it belongs to; every stage for what belongs to no block (registered on a module the blocks were
+    expanded from, as a wrapper's parameter or a ViT's class token: each stage runs the model's own code, and the
+    copies' gradients are summed over the stages, as a tied weight's)."""
     if pp == 1:
-        return dict.fromkeys(names, 0)
+        return dict.fromkeys(names, (0,))
     stage_of = {unit: i for i, group in enumerate(groups) for unit in group}
+    every = tuple(range(len(groups)))
     out = {}
     for name in names:
         unit = next((u for u in stage_of if name.startswith(u + ".")), None)
-        if unit is None:
-            raise PlanError(f"{name!r} belongs to none of the model's blocks; hybridpar.parallelize needs every "
-                            "parameter and buffer of a pipelined model inside a block (a child module)")
-        out[name] = stage_of[unit]
+        out[name] = every if unit is None else (stage_of[unit],)
     return out

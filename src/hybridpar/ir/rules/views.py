@@ -182,3 +182,9 @@ def local_view_shape(op: str, sizes: tuple[int | None, ...], local_in: tuple[int
             out.append(n if v is None else v)
         return tuple(out)
     return None
+
+
+def is_inplace(name: str) -> bool:
+    """Whether the function ``name`` writes into its first argument (``relu_``, ``add_``, ``__iadd__``)."""
+    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__")
+                                                                and name not in ("__init__", "__iter__"))

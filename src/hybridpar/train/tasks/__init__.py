@@ -26,11 +26,15 @@ class Task(Protocol):
         ``total_steps``."""
 
     total_steps: int  # of the whole run
-    analysed: tuple  # (the model on the meta device, one step's example input) the plan is checked on
+    analysed: tuple  # (the model on the meta device, one step's example input, its graph): analysed once
 
     def setup(self, plan: Plan, mesh) -> object:
         """The parallel model (``hybridpar.ParallelModel``) of the model built from the seed; the data on
         ``mesh``."""
+
+    def verification(self, plan: Plan) -> tuple:
+        """``(model, (inputs, targets), loss_fn)``: the model built from the seed, one step's global batch of
+        ``plan`` and the loss one process computes on it, for ``hybridpar.verify`` (after ``check``)."""
 
     def warnings(self) -> list[str]:
         """What rank 0 reports before training (files left out)."""

@@ -35,16 +35,23 @@ class Tokens:
             model = build_model(self.config)
         example = torch.zeros(self.config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
         self.total_steps = self.config.train.steps
-        self.analysed = (model, example)  # what the plan was checked on: a rebalanced plan is too
-        return planning.plan_for(self.config, model, example, world_size, rescale)
+        self.analysed = planning.analysed(self.config, model, example)  # once: the plan, the run and a
+        # rebalanced plan read it
+        return planning.plan_for(self.config, model, example, world_size, rescale, self.analysed[2])
 
     def setup(self, plan: Plan, mesh):
         model = build_model(self.config).to(DTYPES[self.config.train.dtype])
         self.plan = plan
         self.parallel = parallelize(model, plan, mesh, loss_fn=lm_loss,
-                                    example_input=torch.zeros(plan.input_shape, dtype=torch.long))
+                                    example_input=torch.zeros(plan.input_shape, dtype=torch.long),
+                                    graph=self.analysed[2])
         self.stream = MarkovTokens(model.config.vocab_size, model.config.seq_len, self.config.seed)
         return self.parallel
+
+    def verification(self, plan: Plan) -> tuple:
+        model = build_model(self.config)
+        stream = MarkovTokens(model.config.vocab_size, model.config.seq_len, self.config.seed)
+        return model, stream.batch(0, plan.global_batch), lm_loss
 
     def warnings(self) -> list[str]:
         return []

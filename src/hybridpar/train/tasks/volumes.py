@@ -18,6 +18,7 @@ from hybridpar import spatial
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
 from hybridpar.data.loader import steps_per_epoch
 from hybridpar.errors import ConfigError
+from hybridpar.geometry import Grid
 from hybridpar.ir.analysis import DTYPES
 from hybridpar.mesh import flat_group
 from hybridpar.parallel.apply import parallelize
@@ -117,12 +118,19 @@ class Volumes:
         with torch.device("meta"):
             model = build_model(config, self.train_set).to(dtype)
         example = torch.empty(config.train.batch_size, *self.train_set.sample_shape, device="meta")
-        self.analysed = (model, example)  # what the plan was checked on: a rebalanced plan is too
-        plan = planning.plan_for(config, model, example, world_size, rescale)
+        self.analysed = planning.analysed(self.config, model, example)  # once: the plan, the run and a
+        # rebalanced plan read it
+        plan = planning.plan_for(config, model, example, world_size, rescale, self.analysed[2])
         plan.grid.check_shape(self.train_set.sample_shape[1:], "mesh.spatial")
         self.total_steps = config.train.steps or config.train.epochs * steps_per_epoch(
             len(self.train_set), config.train.batch_size, plan.dp)
         return plan
+
+    def verification(self, plan: Plan) -> tuple:
+        whole = Grid((1,) * (len(self.train_set.sample_shape) - 1))
+        samples = [self.train_set.read(i % len(self.train_set), whole, 0) for i in range(plan.global_batch)]
+        batch = tuple(torch.stack(parts) for parts in zip(*samples))
+        return build_model(self.config, self.train_set), batch, partial(loss_fn, self.loss_name, None)
 
     def setup(self, plan: Plan, mesh):
         config = self.config
@@ -130,7 +138,7 @@ class Volumes:
         model = build_model(config, self.train_set).to(DTYPES[config.train.dtype])
         self.parallel = parallelize(model, plan, mesh, loss_fn=partial(loss_fn, self.loss_name, mesh["spatial"]),
                                     example_input=torch.empty(plan.input_shape, device="meta"),
-                                    batch_norm=config.mesh.batch_norm)
+                                    batch_norm=config.mesh.batch_norm, graph=self.analysed[2])
         self.loader = SlabLoader(self.train_set, batch_size=config.train.batch_size, dp=plan.dp,
                                  rows=plan.batch_rows(mesh["dp"].get_local_rank()), grid=plan.grid,
                                  spatial_rank=mesh["spatial"].get_local_rank(), seed=config.seed,
