@@ -61,6 +61,8 @@ LANGUAGE_PLANS = {  # world size, plan fields
     # all forwards first, then each block recomputed in backward: a stage must recompute with what it was sent then
     "pp2-gpipe-checkpointing": (2, dict(pp=2, micro_batches=2, schedule="gpipe", checkpointing=True)),
     "tp2-pp2": (4, dict(tp=2, pp=2, micro_batches=2)),
+    # the head cut off into a stage of its own: split, tied to the first stage's embedding (once a crash)
+    "tp2-pp2-head": (4, dict(tp=2, pp=2, micro_batches=2, stages=("lm_head",))),
     "fsdp2-tp2": (4, dict(dp=2, tp=2, sharding=3)),
     "pp4": (4, dict(pp=4, micro_batches=4)),  # the tied copies on the first and last of four ranks
     "dp2-shares": (2, dict(dp=2, shares=(3, 1))),  # a slow replica's share (rebalancing)
@@ -81,7 +83,7 @@ def language_equivalence(name: str, fields: dict) -> float:
     fields = dict(fields)
     if fields.get("tp", 1) > 1:
         fields["layers"] = tuple(pair_strategies(graph_of(model, idx, dtype="float64"), tp=fields["tp"]).items())
-    if fields.get("pp", 1) > 1:
+    if fields.get("pp", 1) > 1 and "stages" not in fields:
         fields["stages"] = STAGES[name][fields["pp"]]
     plan = Plan(global_batch=BATCH, input_shape=(BATCH, T), dtype="float64", **fields)
     parallel = parallelize(model, plan, plan_mesh(plan), loss_fn=lm_loss, example_input=idx)

@@ -202,3 +202,51 @@ def test_validate_refuses_too_few_micro_batches_for_1f1b_as_the_runtime_does():
     for run in (lambda: check(plan, graph), lambda: validate(plan, graph, preset("a100-80").with_devices(4))):
         with pytest.raises(PlanError, match="1F1B over 2 stages needs at least 2"):
             run()
+
+
+class DeepTrunk(nn.Module):
+    """A trunk two levels below the root (``outer.inner.layers``), never called as a whole: once the search ranked
+    first a cut at the head, which the runtime refused ("it is the first block")."""
+
+    def __init__(self):
+        super().__init__()
+        self.outer = nn.Module()
+        self.outer.inner = nn.Module()
+        self.outer.inner.embed = nn.Embedding(32, D)
+        self.outer.inner.layers = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(2))
+        self.lm_head = nn.Linear(D, 32)
+
+    def forward(self, ids):
+        h = self.outer.inner.embed(ids)
+        for layer in self.outer.inner.layers:
+            h = layer(h)
+        return self.lm_head(h)
+
+
+def test_a_nested_trunk_pipelines_and_the_search_proposes_what_the_runtime_runs():
+    from hybridpar.parallel.plan_check import check_plan
+    from hybridpar.plan import search_plans
+
+    ids = torch.zeros(BATCH, T, dtype=torch.long)
+    graph = graph_of(DeepTrunk(), ids)
+    assert graph.blocks == ("outer.inner.embed", "outer.inner.layers.0", "outer.inner.layers.1", "lm_head")
+    plans = search_plans(graph, None, preset("a100-80").with_devices(2), pp=2, top=3).plans
+    assert plans
+    for plan in plans:
+        check_plan(DeepTrunk(), plan, ids, graph)
+
+
+def encoder_decoder_step(fields: dict) -> float:
+    """BART under a pipeline: the decoder's token ids are computed from the model input in the model's own code
+    (a later stage does not have the input: they are sent to it)."""
+    from support.zoo_runs import run
+
+    return run("hf-bart", Plan(global_batch=4, input_shape=(4, 8), dtype="float64", **fields).to_json())
+
+
+@pytest.mark.parametrize("stages", [("model.model.encoder.layers.1.self_attn.q_proj",),
+                                    ("model.model.encoder.layers.0.self_attn.q_proj",)])
+def test_an_encoder_decoder_pipelines(dist2, stages):
+    """Once a crash: the decoder's stage read the decoder's token ids from the model input it does not have."""
+    for result in dist2.run(encoder_decoder_step, fields=dict(pp=2, micro_batches=2, stages=stages)):
+        assert "exact" in result, result

@@ -22,7 +22,7 @@ from hybridpar.plan import cluster_of, graph_of, search_plans
 from hybridpar.spatial import shard
 from support import harness
 from support.equivalence import TOL, check_step, plan_mesh, replica_slice
-from support.models import Attention
+from support.models import TINY_GPT, Attention
 
 BATCH, T, VOCAB = 8, 8, 16
 
@@ -291,22 +291,6 @@ def test_checkpoints_move_between_plans_and_world_sizes(dist2, dist4, tmp_path):
         assert resumed[0] == pytest.approx(expected[2:], rel=1e-10), fields
 
 
-TRAIN = """run_dir = "{run}"
-plan = "{plan}"
-[model]
-name = "gpt"
-vocab_size = 32
-seq_len = 8
-num_layers = 2
-num_heads = 4
-d_model = 16
-[data]
-format = "tokens"
-[train]
-steps = 1
-batch_size = 4
-dtype = "float64"
-"""
 
 
 def traces_of_a_pipeline_run(folder: str) -> int:
@@ -323,7 +307,7 @@ def traces_of_a_pipeline_run(folder: str) -> int:
     here = Path(folder) / str(dist.get_rank())
     here.mkdir(parents=True, exist_ok=True)
     (here / "plan.json").write_text(plan.to_json())
-    (here / "run.toml").write_text(TRAIN.format(run=here / "run", plan=here / "plan.json"))
+    (here / "run.toml").write_text(TINY_GPT.format(run=here / "run", plan=here / "plan.json"))
     calls, analyse = [], analysis.analyse
 
     def counted(*args, **kwargs):

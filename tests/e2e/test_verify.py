@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import hybridpar
 from hybridpar.ir.types import Plan
+from support.models import TINY_GPT
 from support.patterns import HEAD_SPLIT, ConfigHeads, DroppedConvHead, TensorHeads
 from test_train import hybridpar as command
 
@@ -58,28 +59,13 @@ def test_verify_starts_its_own_local_processes():
     assert report.verdict == "exact" and len(report.differences) == 1 + 8 + 8, report.lines(None)
 
 
-CONFIG = """run_dir = "{run}"
-plan = "{plan}"
-[model]
-name = "gpt"
-vocab_size = 32
-seq_len = 8
-num_layers = 2
-num_heads = 4
-d_model = 16
-[data]
-format = "tokens"
-[train]
-steps = 1
-batch_size = 4
-"""
 
 
 def test_the_command_verifies_a_configs_plan(tmp_path):
     plan = Plan(pp=2, micro_batches=2, stages=("blocks.1.ln_1",), global_batch=4, input_shape=(4, 8))
     (tmp_path / "plan.json").write_text(plan.to_json())
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(run=tmp_path / "run", plan=tmp_path / "plan.json"))
+    config.write_text(TINY_GPT.format(run=tmp_path / "run", plan=tmp_path / "plan.json"))
     proc = command("verify", config)
     assert "dp=1 pp=2 (m=2): exact" in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     bad = Plan(pp=2, micro_batches=2, stages=("blocks.1.attn.qkv",), global_batch=4, input_shape=(4, 8))

@@ -90,3 +90,22 @@ class Attention(nn.Module):
 def tiny_token_model() -> nn.Module:
     """Token ids (B, T) -> logits: an embedding, a Linear, a head (a factory for ``hybridpar plan --model``)."""
     return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 32))
+
+
+# a training config of a tiny GPT on the token task, one step, its plan in a file: run_dir and plan to fill in
+TINY_GPT = """run_dir = "{run}"
+plan = "{plan}"
+[model]
+name = "gpt"
+vocab_size = 32
+seq_len = 8
+num_layers = 2
+num_heads = 4
+d_model = 16
+[data]
+format = "tokens"
+[train]
+steps = 1
+batch_size = 4
+dtype = "float64"
+"""

@@ -24,8 +24,10 @@ BATCH = {"monai": 2}  # a step's global batch by library (else 4)
 # and more). After Adam's first step a parameter moves by lr * g / (|g| + eps): a gradient that cancels to ~0 in
 # exact arithmetic (a bias before a norm) is its rounding (up to ~1e-13 in these models' reductions) amplified by
 # up to lr / eps = 1e4, so parameters agree to ~1e-9; a missed or misplaced step moves one by ~lr = 1e-2.
+# The float32 models' gradients, 1e-7 apart, move a parameter through Adam's first step by up to ~1e-6 apart.
 FLOAT32_TOL = dict(rtol=1e-5, atol=1e-7)
 ZOO_STEP_TOL = dict(rtol=1e-10, atol=1e-8)
+FLOAT32_STEP_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def batch_size(name: str, world: int = 2) -> int:
@@ -72,8 +74,8 @@ def run(name: str, plan_json: str) -> dict:
     out = reference(x)
     first = out if isinstance(out, torch.Tensor) else next(t for t in (out.to_tuple() if hasattr(out, "to_tuple")
                                                                      else out) if isinstance(t, torch.Tensor))
-    tol = FLOAT32_TOL if entry.float32_inside else TOL
-    return {"exact": check_step(parallel, reference, loss, entry.loss(first, y), tol=tol, step_tol=ZOO_STEP_TOL)}
+    tol, step_tol = (FLOAT32_TOL, FLOAT32_STEP_TOL) if entry.float32_inside else (TOL, ZOO_STEP_TOL)
+    return {"exact": check_step(parallel, reference, loss, entry.loss(first, y), tol=tol, step_tol=step_tol)}
 
 
 def spatial_loss(entry, mesh):

@@ -39,12 +39,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from hybridpar.errors import HybridparError, PlanError
-from hybridpar.geometry import Window
 from hybridpar.ir import meta, rules
 from hybridpar.ir.calls import BlockCalls
 from hybridpar.ir.graph import INPUT, BlockCall, Layer, ModelGraph
 from hybridpar.ir.placements import PARTITIONED
 from hybridpar.ir.trace import WHOLE_MODULES, LayerTrace, Tracer, is_leaf, module_kind
+from hybridpar.ir.windows import windows_of
 
 SPLITTABLE_TYPES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # exact types tensor parallelism splits
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,6 +104,8 @@ def install_hooks(model: nn.Module, tracer: Tracer, calls: BlockCalls) -> list:
                     tracer.refusals.extend(tracer.slabs.module(m, args[0], out, paths[id(m)]))
                 if not tracer.inside_leaf:
                     tracer.end(tracer.module_records.pop(id(m)), out)
+            with tracer.own():
+                tracer.spread(args, kwargs, out)
             if block:
                 calls.leave(paths[id(m)], out)
 
@@ -199,12 +201,13 @@ def _graph(model: nn.Module, tracer: Tracer, calls: BlockCalls, input_shape, x, 
 
 
 def _output_meta(out, tracer: Tracer) -> tuple:
-    """``(shape, dtype, requires_grad, partitioned)`` of the tensor a loss reads (``model_output``), or ``()``."""
+    """``(shape, dtype, requires_grad, partitioned, computed from the input)`` of the tensor a loss reads
+    (``model_output``), or ``()``."""
     first = model_output(out, strict=False)
     if first is None:
         return ()
     return (tuple(first.shape), str(first.dtype).removeprefix("torch."), first.requires_grad,
-            tracer.slabs.status(first) == PARTITIONED)
+            tracer.slabs.status(first) == PARTITIONED, id(first) in tracer.from_input)
 
 
 def _shared(model: nn.Module, layers: list[Layer]) -> tuple[tuple[str, ...], ...]:
@@ -344,19 +347,12 @@ def _elementwise(module: nn.Module, functions: set, params: list) -> bool:
 
 def _module_features(module: nn.Module, num_spatial: int) -> dict:
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        n = len(module.kernel_size)
-        pads = module._reversed_padding_repeated_twice
-        windows = tuple(Window(module.kernel_size[i], module.stride[i], pads[2 * (n - 1 - i)], module.dilation[i])
-                        for i in range(n))
-        return {"windows": windows, "boundary": module.padding_mode,
+        return {"windows": windows_of(module, num_spatial), "boundary": module.padding_mode,
                 "channels": (module.in_channels, module.out_channels), "groups": module.groups}
     if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
         return {"channels": (module.in_channels, module.out_channels), "groups": module.groups}
     if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
-        k, s, p = (_per_dim(v, num_spatial) for v in (module.kernel_size, module.stride or module.kernel_size,
-                                                      module.padding))
-        d = _per_dim(getattr(module, "dilation", 1), num_spatial)
-        return {"windows": tuple(Window(k[i], s[i], p[i], d[i]) for i in range(num_spatial))}
+        return {"windows": windows_of(module, num_spatial)}
     if isinstance(module, nn.Linear):
         return {"channels": (module.in_features, module.out_features)}
     if isinstance(module, nn.Embedding):
@@ -367,10 +363,6 @@ def _module_features(module: nn.Module, num_spatial: int) -> dict:
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
         return {"channels": (module.num_features, module.num_features)}
     return {}
-
-
-def _per_dim(value, n: int) -> tuple[int, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
 
 
 __all__ = ["DTYPES", "analyse", "blocks", "graph_of", "input_dtype_of", "model_output"]

@@ -13,16 +13,17 @@ from hybridpar.ir.placements import PARTITIONED
 from hybridpar.ir.trace import Tracer
 
 
-def structure(obj) -> tuple:
-    """What a forward or block returns, as nested tuples: ``("tensor", shape, dtype, requires_grad)``,
-    ``("tuple" | "list", items)``, ``("dict", ((key, item), ...))``, ``("value", v)`` for ``None``, numbers and
-    strings, ``("other", type name)`` for anything else."""
+def structure(obj, from_input=lambda t: False) -> tuple:
+    """What a forward or block returns, as nested tuples: ``("tensor", shape, dtype, requires_grad, computed from
+    the model input)``, ``("tuple" | "list", items)``, ``("dict", ((key, item), ...))``, ``("value", v)`` for
+    ``None``, numbers and strings, ``("other", type name)`` for anything else."""
     if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), str(obj.dtype).removeprefix("torch."), obj.requires_grad)
+        return ("tensor", tuple(obj.shape), str(obj.dtype).removeprefix("torch."), obj.requires_grad,
+                from_input(obj))
     if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
-        return (type(obj).__name__, tuple(structure(x) for x in obj))
+        return (type(obj).__name__, tuple(structure(x, from_input) for x in obj))
     if type(obj) is dict:
-        return ("dict", tuple((k, structure(v)) for k, v in obj.items()))
+        return ("dict", tuple((k, structure(v, from_input)) for k, v in obj.items()))
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return ("value", obj)
     return ("other", type(obj).__name__)
@@ -62,7 +63,8 @@ class BlockCalls:
                 value = t.values.setdefault(id(leaf), len(t.values))
                 t.alive.append(leaf)
                 block_args.append(BlockArg(k, source, tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."),
-                                           leaf.requires_grad, value, t.slabs.status(leaf) == PARTITIONED))
+                                           leaf.requires_grad, value, t.slabs.status(leaf) == PARTITIONED,
+                                           id(leaf) in t.from_input))
         if name not in self.order:
             self.order.append(name)
         self.calls.append(CallTrace(name, tuple(block_args), len(t.records)))
@@ -74,7 +76,7 @@ class BlockCalls:
     def _leave(self, name: str, out) -> None:
         t = self.tracer
         call = next(c for c in reversed(self.calls) if c.block == name and c.output is None)
-        call.output = structure(out)
+        call.output = structure(out, lambda x: id(x) in t.from_input)
         call.returns = tuple(t.values.setdefault(id(x), len(t.values)) for x in t._tensors(out))
         t.alive.extend(t._tensors(out))
         call.layers = (call.first, len(t.records))

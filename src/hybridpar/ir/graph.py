@@ -137,6 +137,7 @@ class BlockArg:
     requires_grad: bool
     value: int  # the same number for the same tensor passed to several calls
     partitioned: bool = False  # a volume split in slabs under spatial parallelism (what a rank holds is its slab)
+    from_input: bool = False  # computed from the model input: its dim 0 is the batch where it has the batch's size
 
 
 @dataclass(frozen=True)
@@ -171,24 +172,25 @@ class ModelGraph:
     unused: tuple[str, ...] = ()  # parameters that get no gradient from the output a loss reads (for the example)
     output_values: tuple[int, ...] = ()  # their values (``BlockArg.value``), where a block returned them
     state: tuple[str, ...] = ()  # the model's state-dict names (parameters and buffers), as ``state_dict`` gives them
-    output: tuple = ()  # (shape, dtype, requires_grad, partitioned) of the tensor a loss reads: the output's first
+    output: tuple = ()  # (shape, dtype, requires_grad, partitioned, from the input) of the tensor a loss reads
 
     def at_batch(self, batch: int) -> ModelGraph:
         """The graph's pipeline interfaces for a batch of ``batch`` samples (a micro-batch), without tracing again:
         the model input, what its blocks are passed and return and the output it gives, each with its batch dim
-        (dim 0, where a tensor made from the input has the example's batch there; PyTorch's pipelining splits
-        micro-batches along it too) resized. Its layers keep the example's costs (the planner scales those)."""
+        (dim 0, where a tensor computed from the input has the example's batch there; PyTorch's pipelining splits
+        micro-batches along it too) resized; a tensor the forward makes without the input (a table of positions)
+        keeps its shape. Its layers keep the example's costs (the planner scales those)."""
         if batch == self.batch:
             return self
         example = self.batch
 
-        def resized(shape: tuple[int, ...], made_from_input: bool = True) -> tuple[int, ...]:
-            return (batch,) + tuple(shape[1:]) if made_from_input and shape and shape[0] == example else shape
+        def resized(shape: tuple[int, ...], from_input: bool) -> tuple[int, ...]:
+            return (batch,) + tuple(shape[1:]) if from_input and shape and shape[0] == example else shape
 
         def structure(item: tuple) -> tuple:
             kind, rest = item[0], item[1:]
             if kind == "tensor":
-                return (kind, resized(rest[0])) + tuple(rest[1:])
+                return (kind, resized(rest[0], rest[3])) + tuple(rest[1:])
             if kind in ("tuple", "list"):
                 return (kind, tuple(structure(x) for x in rest[0]))
             if kind == "dict":
@@ -196,10 +198,9 @@ class ModelGraph:
             return item
 
         calls = tuple(replace(call, output=structure(call.output), args=tuple(
-            replace(a, shape=resized(a.shape, a.source not in (PARAM, CONST))) for a in call.args))
-            for call in self.block_calls)
-        output = (resized(self.output[0]),) + tuple(self.output[1:]) if self.output else ()
-        return replace(self, input_shape=resized(self.input_shape), block_calls=calls, output=output,
+            replace(a, shape=resized(a.shape, a.from_input)) for a in call.args)) for call in self.block_calls)
+        output = (resized(self.output[0], self.output[4]),) + tuple(self.output[1:]) if self.output else ()
+        return replace(self, input_shape=resized(self.input_shape, True), block_calls=calls, output=output,
                        input_bytes=self.input_bytes * batch // example)
 
     def index_of(self, name: str) -> int:

@@ -81,7 +81,10 @@ class Values(TorchDispatchMode):
             return func(*self._real(args), **self._real(kwargs))
         try:
             out = func(*args, **kwargs)
-        except (NotImplementedError, RuntimeError):
+        except (NotImplementedError, RuntimeError) as err:
+            if not known and isinstance(err, NotImplementedError):  # no meta kernel: a shape from values
+                raise DataDependentError(f"{func.name()} gives a shape that depends on the values of a tensor "
+                                         "computed from the weights (a mixture-of-experts router's choice)") from err
             if not known:  # an output shape that depends on values (nonzero, masked_select) is known from them
                 raise
             real = func(*self._real(args), **self._real(kwargs))

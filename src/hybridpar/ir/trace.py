@@ -91,6 +91,7 @@ class Tracer(TorchFunctionMode):
         self.buffers = {id(b) for b in model.buffers()}
         self.counts: dict[str, int] = {}
         self.quiet = 0  # our own bookkeeping (numel, shapes) is not the model's
+        self.from_input = {id(x)}  # the tensors computed from the model input (``spread``)
         self.slabs = Placements(model.training)  # where the spatial split lies in each tensor
         if volume:
             self.slabs.split(x, x.dim() - 2)
@@ -211,8 +212,24 @@ class Tracer(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         if name == "__get__":  # a property (``x.T``, ``x.mT``): by its own name
             name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name == "__getitem__" and len(args) == 2:
+            args = (args[0], _listed(args[1]))
         if self.quiet:
             return func(*args, **kwargs)
+        out = self._function(func, name, args, kwargs)
+        with self.own():
+            self.spread(args, kwargs, out)
+        return out
+
+    def spread(self, args, kwargs, out) -> None:
+        """``out`` is computed from the model input where something ``(args, kwargs)`` holds is: its dim 0 is the
+        batch where it has the batch's size (``ModelGraph.at_batch`` resizes it for a micro-batch)."""
+        if any(id(t) in self.from_input for t in self._tensors((args, kwargs))):
+            for t in self._tensors(out):
+                self.from_input.add(id(t))
+                self.alive.append(t)
+
+    def _function(self, func, name: str, args, kwargs):
         if self.inside_leaf:
             out = func(*args, **kwargs)
             with self.own():
@@ -268,6 +285,17 @@ class Tracer(TorchFunctionMode):
         q = args[0]
         total += q.numel() // q.shape[-1] * 4
         return total
+
+
+def _listed(index):
+    """An index with its lists of ints (``x[:, [-1, 0]]``) as CPU tensors, which the meta device's values follow
+    (PyTorch would make them meta tensors, whose values are lost: a forward that branches on the result could not
+    be analysed)."""
+    if isinstance(index, list) and index and all(isinstance(i, int) and not isinstance(i, bool) for i in index):
+        return torch.tensor(index)
+    if isinstance(index, tuple):
+        return tuple(_listed(i) for i in index)
+    return index
 
 
 def _bytes(tensors) -> int:

@@ -44,13 +44,23 @@ SCHEDULES = dict(zip(PLAN_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInter
 class StandIn(nn.Module):
     """A block of another stage: holds no parameter, and returns zeros of the shapes the block returns (the
     model's own code between blocks runs on them; nothing the stage computes depends on them). It also
-    catches, among what the model passes it, the values the next stages need."""
+    catches, among what the model passes it, the values the next stages need. What the model's code reads of
+    the block itself (its configuration, a submodule's weight dtype: Hugging Face's ViT asks its embedding's) it
+    reads off a copy of the block on the meta device, which holds no memory and is not one of the stage's
+    modules."""
 
     stands_in = True
 
-    def __init__(self, name: str, run: StageRun):
+    def __init__(self, name: str, run: StageRun, block: nn.Module):
         super().__init__()
         self.name, self.run = name, run
+        object.__setattr__(self, "_block", block)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_block"), name)
 
     def forward(self, *args, **kwargs):
         leaves = tree_flatten((args, kwargs))[0]
@@ -70,7 +80,7 @@ def like_structure(structure: tuple, device: torch.device, tensor: torch.Tensor 
     structure that holds one: a chain's activation passed on)."""
     kind, rest = structure[0], structure[1:]
     if kind == "tensor":
-        shape, dtype, _ = rest
+        shape, dtype = rest[:2]
         return tensor if tensor is not None else torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
     if kind in ("tuple", "list"):
         items = [like_structure(s, device, tensor) for s in rest[0]]
@@ -162,7 +172,8 @@ def stage_module(model: nn.Module, graph: ModelGraph, groups: list[list[str]], s
     once its own blocks are split. ``graph`` is the model's graph for one micro-batch."""
     keep = groups[stage]
     run = StageRun(graph, keep, rules.stage_interfaces(graph, groups)[stage], stage == len(groups) - 1, device)
-    stand_ins = {id(module): StandIn(name, run) for name, module in blocks(model) if name not in keep}
+    stand_ins = {id(module): StandIn(name, run, meta.meta_copy(module)) for name, module in blocks(model)
+                 if name not in keep}
     return copy.deepcopy(model, memo=stand_ins), run
 
 

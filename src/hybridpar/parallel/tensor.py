@@ -161,20 +161,21 @@ def _tie(model: nn.Module, names: tuple[str, ...]) -> None:
 
 
 def _has_parameter(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
+    """Whether ``model`` holds the parameter ``name``."""
+    parent, _, leaf = name.rpartition(".")
+    owner = _held(model, parent) if parent else model
+    return owner is not None and leaf in owner._parameters
 
 
 def _held(model: nn.Module, name: str) -> nn.Module | None:
-    """The module called ``name``, unless ``model`` (a pipeline stage) does not hold it."""
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        return None
-    return None if getattr(module, "stands_in", False) else module
+    """The module called ``name``, unless ``model`` (a pipeline stage) does not hold it: a stage's stand-in for a
+    block of another stage holds nothing, whatever it answers when the model's code reads it."""
+    module = model
+    for part in name.split("."):
+        module = module._modules.get(part)
+        if module is None or getattr(module, "stands_in", False):
+            return None
+    return module
 
 
 def _style(split: Split):

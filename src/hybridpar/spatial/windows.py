@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridpar.geometry import DimExchange, TransposedWindow, Window, plan_exchange
-from hybridpar.spatial.base import Halos, SpatialLayer, as_tuple, out_slab, window_halos
+from hybridpar.geometry import DimExchange, TransposedWindow, plan_exchange
+from hybridpar.ir.windows import right_pads, windows_of
+from hybridpar.spatial.base import Halos, SpatialLayer, out_slab, window_halos
 from hybridpar.spatial.halo import PendingHalo, assemble, halo_conv, rows_of
 
 
@@ -41,10 +42,8 @@ class SpatialConv(SpatialLayer):
 
     def _hp_plan(self, in_shape, out_shape, ctx) -> ConvGeometry:
         n = len(self.kernel_size)
-        pads = self._reversed_padding_repeated_twice
-        left = [pads[2 * (n - 1 - i)] for i in range(n)]
-        right = [pads[2 * (n - 1 - i) + 1] for i in range(n)]
-        windows = [Window(self.kernel_size[i], self.stride[i], left[i], self.dilation[i]) for i in range(n)]
+        windows, right = windows_of(self, n), right_pads(self)
+        left = [w.pad_left for w in windows]
         symmetric = [left[i] if left[i] == right[i] and self.padding_mode == "zeros" else None for i in range(n)]
         halos = window_halos(ctx, ctx.where(self), in_shape, out_shape, windows, self.padding_mode, symmetric)
         overlap = _overlap_plan(halos, windows, in_shape, out_shape, self.padding_mode)
@@ -173,11 +172,8 @@ class SpatialMaxPool(SpatialLayer):
     rows past the end that ``ceil_mode`` windows reach are filled with ``-inf``."""
 
     def _hp_plan(self, in_shape, out_shape, ctx) -> Halos:
-        n = len(in_shape) - 2
-        k, s, p, d = (as_tuple(v, n) for v in (self.kernel_size, self.stride or self.kernel_size,
-                                                 self.padding, self.dilation))
-        windows = [Window(k[i], s[i], p[i], d[i]) for i in range(n)]
-        return window_halos(ctx, ctx.where(self), in_shape, out_shape, windows, "zeros", p)
+        windows = windows_of(self, len(in_shape) - 2)
+        return window_halos(ctx, ctx.where(self), in_shape, out_shape, windows, "zeros", [w.pad_left for w in windows])
 
     def _hp_run(self, x, geo: Halos, ctx):
         x = assemble(x, geo.exchanges, ctx.comm, -math.inf)
@@ -201,8 +197,8 @@ class SpatialAvgPool(SpatialLayer):
 
     def _hp_plan(self, in_shape, out_shape, ctx) -> AvgPoolGeometry:
         n = len(in_shape) - 2
-        k, s, p = (as_tuple(v, n) for v in (self.kernel_size, self.stride or self.kernel_size, self.padding))
-        windows = [Window(k[i], s[i], p[i]) for i in range(n)]
+        windows = windows_of(self, n)
+        k, s, p = ([getattr(w, f) for w in windows] for f in ("kernel", "stride", "pad_left"))
         halos = window_halos(ctx, ctx.where(self), in_shape, out_shape, windows, "zeros", p)
         divisor = torch.ones(())
         for axis in range(n):

@@ -174,7 +174,7 @@ def stage_io(graph, groups: list[list[str]]) -> list[tuple[tuple, tuple]]:
              for call in graph.block_calls for a in call.args}
     interfaces = stage_interfaces(graph, groups)
     first = ((graph.input_shape, graph.input_dtype, False, False, graph.spatial_ndim > 0),)
-    shape, dtype, grad, partitioned = graph.output
+    shape, dtype, grad, partitioned = graph.output[:4]
     last = ((shape, dtype, grad, False, partitioned),)
     out = []
     for s, face in enumerate(interfaces):
