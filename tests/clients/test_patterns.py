@@ -90,9 +90,77 @@ class ChannelsLastNorm(nn.Module):
         return self.out(torch.nn.functional.gelu(h))
 
 
+class ReadTable(nn.Module):
+    """DeBERTa's relative positions: a table registered as a block of its own (an ``nn.Embedding``) whose weight
+    the model's code reads directly, never calling it. FSDP once sharded it as a unit of its own, which nothing
+    gathers: a crash ("mixed torch.Tensor and DTensor")."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(T, D)
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x) + self.table.weight)
+        return x
+
+
+class SizedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, h, size):
+        rows, width = size
+        return torch.tanh(self.linear(h)) * (rows / width)
+
+
+class SizedBlocks(nn.Module):
+    """BEiT's blocks: each is passed a size the model's code read off the model's input (``pixel_values.shape[2:]``).
+    A pipeline stage once ran the model's code on the previous stage's activation instead of an input of the
+    input's shape: the size it read had one dim, a crash."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(SizedBlock() for _ in range(4))
+
+    def forward(self, x):
+        size = x.shape[2:]
+        h = x.flatten(1, 2)
+        for layer in self.layers:
+            h = layer(h, size)
+        return h
+
+
+class Positions(nn.Embedding):
+    def forward(self, mask):
+        return super().forward(mask.cumsum(1) - 1)
+
+
+class MaskPositions(nn.Module):
+    """OPT's positions: a block passed a mask of ones the model's code made from the input's size
+    (``torch.ones(ids.shape)``), not computed from the input's values. A stage that skips it once stood in with
+    the whole batch's positions where the micro-batch's belonged: a crash."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(32, D), Positions(T, D)
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.head = nn.Linear(D, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(torch.ones(ids.shape, dtype=torch.long))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
 MODELS = {"config-heads": ConfigHeads, "channels-last-norm": ChannelsLastNorm, "tensor-heads": TensorHeads,
           "dropped-head": DroppedHead, "dropped-conv-head": DroppedConvHead, "aliased-head": AliasedHead,
-          "dict-blocks": DictBlocks}
+          "dict-blocks": DictBlocks, "read-table": ReadTable, "sized-blocks": SizedBlocks,
+          "mask-positions": MaskPositions}
+TOKENS = ("aliased-head", "mask-positions")  # models of token ids, with a cross-entropy loss
 CALLS: list[int] = []  # loss calls of the last step on this rank
 
 
@@ -108,12 +176,13 @@ def lm_mse(logits, targets):
 
 def batch(name: str):
     g = torch.Generator().manual_seed(1)
-    if name == "aliased-head":
+    if name in TOKENS:
         ids = torch.randint(0, 32, (BATCH, T + 1), generator=g)
         return ids[:, :-1], ids[:, 1:]
-    shape = (BATCH, 1, 8, 8, 8) if "conv" in name or "norm" in name else (BATCH, T, D)
+    shape = (BATCH, 1, 8, 8, 8) if "conv" in name or "norm" in name else (BATCH, 1, T, D) if name == "sized-blocks" \
+        else (BATCH, T, D)
     x = torch.randn(shape, dtype=torch.float64, generator=g)
-    return x, torch.randn_like(x)
+    return x, torch.randn_like(x.flatten(1, 2) if name == "sized-blocks" else x)
 
 
 def step(name: str, fields: dict) -> float:
@@ -128,7 +197,7 @@ def step(name: str, fields: dict) -> float:
     plan = Plan(global_batch=BATCH, input_shape=tuple(x.shape), dtype="float64", **fields)
     mesh = plan_mesh(plan)
     spatial = plan.dims.num_spatial > 1
-    loss_fn = lm_mse if name == "aliased-head" else counted_mse
+    loss_fn = lm_mse if name in TOKENS else counted_mse
     loss_fn = (lambda out, target: mse_loss(out, target, mesh["spatial"])) if spatial else loss_fn
     parallel = parallelize(model, plan, mesh, loss_fn=loss_fn, example_input=x)
     mine = replica_slice(parallel)
@@ -140,7 +209,7 @@ def step(name: str, fields: dict) -> float:
         assert len(CALLS) == (plan.micro_batches if last else 0), CALLS
     output = reference(x)
     output = output["out"] if isinstance(output, dict) else output
-    return check_step(parallel, reference, loss, (lm_mse if name == "aliased-head" else F.mse_loss)(output, y))
+    return check_step(parallel, reference, loss, (lm_mse if name in TOKENS else F.mse_loss)(output, y))
 
 
 
@@ -177,12 +246,19 @@ def test_a_view_that_fixes_the_head_count_is_refused_by_every_check():
     ("aliased-head", dict(dp=2, tp=2, sharding=3)),
     ("dict-blocks", dict(pp=2, micro_batches=2, stages=("blocks.2.linear",))),
     ("dict-blocks", dict(pp=2, micro_batches=4, stages=("blocks.1.linear",), schedule="gpipe")),
+    ("read-table", dict(dp=2, sharding=3)),
+    ("read-table", dict(dp=2, sharding=2)),
+    ("sized-blocks", dict(pp=2, micro_batches=2, stages=("layers.2.linear",))),
+    ("mask-positions", dict(pp=2, micro_batches=2, stages=("layers.1",))),
+    ("mask-positions", dict(pp=2, micro_batches=2, stages=("head",))),
 ])
 def test_the_patterns_equal_one_process(dist2, dist4, name, fields):
     """An output computed and dropped once left ~40 gradients up to 2e-2 off under data or spatial parallelism (its
     DDP bucket was never reduced): the analysis finds the parameters that get no gradient. A parameter under two
     names is split once; a pipeline of blocks that return dicts runs, and calls the loss on its micro-batches
-    only (PyTorch's schedule once called it on an uninitialised warm-up output)."""
+    only (PyTorch's schedule once called it on an uninitialised warm-up output). FSDP gathers block by block only
+    the blocks whose weights their own forward alone reads; a pipeline stage runs the model's code on an input of
+    the input's shape, and stands in for a skipped block with what the block returns for what it is passed."""
     world = Plan(**fields).world_size
     (dist2 if world == 2 else dist4).run(step, name=name, fields=fields)
 

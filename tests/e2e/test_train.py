@@ -355,7 +355,7 @@ def test_plans_that_do_not_fit_the_model_are_refused_before_any_worker(tmp_path,
             match="layer 'features.0' (Conv3d) cannot run 'column': "
                   "FSDP / ZeRO (sharding > 0) does not run channel-split")
     refused(Plan(dp=1, spatial=(1, 1, 1), pp=2, micro_batches=2, stages=("head.9",), **fits),
-            match="a stage cannot start at 'head.9'")
+            match="stage boundary 'head.9' is not a layer of the model (CosmoFlow)")
     refused(Plan(dp=2, spatial=(1, 1, 1), model="unet3d", **fits),
             match="plan.json is a plan for model 'unet3d', but the config trains 'cosmoflow'; make a plan for this")
     refused(Plan(dp=4, spatial=(1, 1, 1), **fits), "--nproc", 2,

@@ -62,13 +62,14 @@ def test_verify_starts_its_own_local_processes():
 
 
 def test_the_command_verifies_a_configs_plan(tmp_path):
-    plan = Plan(pp=2, micro_batches=2, stages=("blocks.1.ln_1",), global_batch=4, input_shape=(4, 8))
+    plan = Plan(pp=2, micro_batches=2, stages=("blocks.1.ln_1",), global_batch=4, dtype="float64", input_shape=(4, 8))
     (tmp_path / "plan.json").write_text(plan.to_json())
     config = tmp_path / "run.toml"
     config.write_text(TINY_GPT.format(run=tmp_path / "run", plan=tmp_path / "plan.json"))
     proc = command("verify", config)
     assert "dp=1 pp=2 (m=2): exact" in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
-    bad = Plan(pp=2, micro_batches=2, stages=("blocks.1.attn.qkv",), global_batch=4, input_shape=(4, 8))
+    bad = Plan(pp=2, micro_batches=2, stages=("blocks.1.attn.qkv",), global_batch=4, dtype="float64",
+               input_shape=(4, 8))
     (tmp_path / "plan.json").write_text(bad.to_json())
     proc = command("verify", config, check=False)
     assert proc.returncode == 2 and "a stage cannot start at 'blocks.1.attn.qkv'" in proc.stderr, proc.stderr

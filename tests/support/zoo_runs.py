@@ -138,3 +138,13 @@ def outcome(results: list[dict]) -> tuple[str, str]:
         assert len(messages) == 1, f"ranks refused with different messages: {messages}"
         return kind, messages.pop()
     return kind, json.dumps([r["exact"] for r in results])
+
+
+def plans_of(name: str, world: int) -> dict[str, Plan]:
+    """The hand plans and the search's three best, each once (the search may propose a hand plan too)."""
+    out, seen = {}, set()
+    for key, plan in {**hand_plans(name, world), **searched_plans(name, world)}.items():
+        if plan.to_json() not in seen:
+            seen.add(plan.to_json())
+            out[key] = plan
+    return out

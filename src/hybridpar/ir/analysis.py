@@ -187,7 +187,7 @@ def _graph(model: nn.Module, tracer: Tracer, calls: BlockCalls, input_shape, x, 
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     order = calls.order + [n for n in calls.names if n not in calls.order]
     index = {name: i for i, name in enumerate(order)}
-    block_calls = tuple(BlockCall(index[c.block], c.args, c.output, c.layers, c.returns)
+    block_calls = tuple(BlockCall(index[c.block], c.args, c.output, c.layers, c.returns, c.leaves)
                         for c in calls.calls if c.output is not None)
     return ModelGraph(tuple(layers), input_shape, x.numel() * x.element_size(), param_bytes, params,
                       tuple(tuple(c) for c in consumers), type(model).__name__, tuple(order), block_calls,

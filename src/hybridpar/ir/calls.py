@@ -39,6 +39,7 @@ class CallTrace:
     output: tuple | None = None  # ``structure`` of what it returns
     returns: tuple[int, ...] = ()
     layers: tuple[int, int] = (0, 0)  # [first, stop) of its layers
+    leaves: int = 0  # everything it is passed, flattened: its tensors and the rest (flags, None, sizes)
 
 
 class BlockCalls:
@@ -67,7 +68,7 @@ class BlockCalls:
                                            id(leaf) in t.from_input))
         if name not in self.order:
             self.order.append(name)
-        self.calls.append(CallTrace(name, tuple(block_args), len(t.records)))
+        self.calls.append(CallTrace(name, tuple(block_args), len(t.records), leaves=len(leaves)))
 
     def leave(self, name: str, out) -> None:
         with self.tracer.own():

@@ -150,6 +150,7 @@ class BlockCall:
     output: tuple
     layers: tuple[int, int]
     returns: tuple[int, ...] = ()  # the values (``BlockArg.value``) of the tensors it returns
+    leaves: int = 0  # everything it is passed, flattened: its tensors and the rest (flags, None, sizes)
 
 
 @dataclass(frozen=True)
@@ -282,15 +283,17 @@ class ModelGraph:
     @cached_property
     def is_chain(self) -> bool:
         """Whether the forward is its blocks applied one after another, each to what the one before returned (the
-        first to the model input), and returns what the last one returns, with nothing between them: then a
-        pipeline stage takes the previous stage's output as its input, and skipped blocks pass it on."""
+        first to the model input) and to nothing else, and returns what the last one returns, with nothing between
+        them: then a pipeline stage takes the previous stage's output as its input, and skipped blocks pass it on.
+        A block passed anything besides (a flag, a size the model's code read off its input: BEiT's resolution) is
+        not in a chain: the stage runs the model's code on the model's input, as the general stage does."""
         calls = self.block_calls
         if not calls or any(b is None for b in self.block_index):
             return False
         previous = None
         for call in calls:
             tensors = [a for a in call.args if a.source not in (PARAM, CONST)]
-            if len(tensors) != 1 or len(call.returns) != 1:
+            if len(tensors) != 1 or len(call.returns) != 1 or call.leaves != 1:
                 return False
             if (tensors[0].source != INPUT) if previous is None else (tensors[0].value != previous):
                 return False

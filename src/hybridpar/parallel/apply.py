@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import PlanError
 from hybridpar.geometry import Grid
+from hybridpar.ir import rules
 from hybridpar.ir.analysis import blocks
 from hybridpar.ir.check import Checked, replica_batch
 from hybridpar.ir.graph import ModelGraph
@@ -174,24 +175,15 @@ def _build(module: nn.Module, plan: Plan, grid: Grid, mesh: DeviceMesh, checked:
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = flat_mesh(mesh, ("dp", "spatial"))
-        for block in _fsdp_units(module, held):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
+        units = set(rules.own_units(checked.graph))
+        for name, block in blocks(module):
+            if name in units and not getattr(block, "stands_in", False) and any(True for _ in block.parameters()):
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
         return fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3), False
     if checked.splits or plan.pp > 1:
         return module, True
     # parameters the forward never uses leave their DDP bucket unfinished: told so, DDP reduces it anyway
     return data_parallel(module, mesh, find_unused_parameters=bool(checked.graph.unused)), False
-
-
-def _fsdp_units(module: nn.Module, held: list[nn.Module]) -> list[nn.Module]:
-    """The blocks FSDP shards one by one: those with parameters, each registered once (a parameter under two
-    names, a head tied to the token embedding or a module registered twice, stays with the root, which
-    gathers it once for all its uses)."""
-    count: dict[int, int] = {}
-    for _, p in module.named_parameters(remove_duplicate=False):
-        count[id(p)] = count.get(id(p), 0) + 1
-    return [block for block in held if any(True for _ in block.parameters())
-            and all(count[id(p)] == 1 for p in block.parameters())]
 
 
 def _has_batch_norm(module: nn.Module) -> bool:

@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hybridpar.errors import PlanError
 from hybridpar.ir import meta, rules
 from hybridpar.ir.analysis import blocks, model_output
+from hybridpar.ir.calls import structure
 from hybridpar.ir.graph import ModelGraph
 from hybridpar.ir.rules import some
 from hybridpar.ir.types import SCHEDULES as PLAN_SCHEDULES
@@ -55,6 +56,7 @@ class StandIn(nn.Module):
         super().__init__()
         self.name, self.run = name, run
         object.__setattr__(self, "_block", block)
+        self._shapes: dict[tuple, tuple] = {}
 
     def __getattr__(self, name: str):
         try:
@@ -63,7 +65,7 @@ class StandIn(nn.Module):
             return getattr(object.__getattribute__(self, "_block"), name)
 
     def forward(self, *args, **kwargs):
-        leaves = tree_flatten((args, kwargs))[0]
+        leaves, spec = tree_flatten((args, kwargs))
         if self.run.graph.is_chain:  # the model is its blocks in a chain: pass the activation on, as the block
             # returns it (a dict, a tuple: the one tensor in it)
             activation = next(t for t in leaves if isinstance(t, torch.Tensor))
@@ -72,7 +74,24 @@ class StandIn(nn.Module):
         for arg in call.args:
             if arg.value in self.run.wanted and arg.value not in self.run.caught:
                 self.run.caught[arg.value] = leaves[arg.leaf]
-        return like_structure(call.output, self.run.device)
+        return like_structure(self._returns(leaves, spec, call.output), self.run.device)
+
+    def _returns(self, leaves: list, spec, recorded: tuple) -> tuple:
+        """The structure of what the block returns for these arguments: its meta copy run on them (shapes the
+        model's code made from the micro-batch's, a mask of ``ones(batch, seq)``, come out as the real block's
+        would), once per kind of arguments; where that needs values it does not have, the analysis' record."""
+        key = (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else
+                                t if isinstance(t, (int, float, bool, str, type(None))) else type(t) for t in leaves))
+        if key not in self._shapes:
+            block = object.__getattribute__(self, "_block")
+            metas = [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
+            try:
+                args, kwargs = tree_unflatten(metas, spec)
+                with torch.no_grad():
+                    self._shapes[key] = structure(block(*args, **kwargs))
+            except Exception:  # a block that branches on the values of its arguments
+                self._shapes[key] = recorded
+        return self._shapes[key]
 
 
 def like_structure(structure: tuple, device: torch.device, tensor: torch.Tensor | None = None):
@@ -211,8 +230,9 @@ def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -
             try:
                 out = module(*inputs)
             except Exception as err:  # the model's own code, on what a stage has
-                raise PlanError(f"pipeline stage {stage} (blocks {some(groups[stage])}) does not run on its own "
-                                f"({type(err).__name__}: {err}); cut the model at other blocks") from None
+                held, why = some([repr(name) for name in groups[stage]]), " ".join(str(err).split())
+                raise PlanError(f"pipeline stage {stage} (blocks {held}) does not run on its own "
+                                f"({type(err).__name__}: {why}); cut the model at other blocks") from None
             inputs = out if isinstance(out, tuple) else (out,)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hybridpar.dims import ParallelDims
 from hybridpar.errors import PlanError
 from hybridpar.ir import rules
+from hybridpar.ir.check import check
 from hybridpar.ir.graph import ModelGraph
 from hybridpar.ir.rules import check_grid
 from hybridpar.ir.types import Plan
@@ -91,6 +92,8 @@ def search(graph: ModelGraph, cluster: ClusterSpec, c: Constraints) -> SearchRes
     for cand in found:
         best.setdefault(cand.dims, cand.plan)  # each mesh's fastest
     plans = list(best.values())[:c.top]
+    for plan in plans:  # what the search proposes is what the runtime runs: the IR's one check, as theirs
+        check(plan, graph)
     total = sum(len(settings_of(c, dims, graph)) for dims in runnable)
     return SearchResult(plans, log.explain(found), total, log.closest[1])
 

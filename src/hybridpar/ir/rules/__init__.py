@@ -69,6 +69,7 @@ from hybridpar.ir.rules.stages import (
     check_stage_count,
     holding_stages,
     legal_starts,
+    own_units,
     pipeline_norm_refusal,
     some,
     stage_groups,
@@ -92,7 +93,7 @@ __all__ = ["ALIASES", "ATTENTION", "CONCAT", "DEFAULT_HINT", "DROPOUT", "FIELDS"
            "SPLITTABLE", "Split", "StageInterface", "TOKEN_WISE", "TP_STRATEGIES", "TRANSPOSES", "WHOLE",
            "alias_dims", "check_assignment", "check_grid", "check_micro_batches", "check_shared",
            "check_stage_count", "checkpointed_stages_refusal", "crossing_sources", "first_refusal", "gathers",
-           "holding_stages", "idle_tp_refusal", "is_inplace", "legal_starts", "local_view_shape", "passes",
+           "holding_stages", "idle_tp_refusal", "is_inplace", "legal_starts", "local_view_shape", "own_units", "passes",
            "pipeline_norm_refusal", "regions", "replicated_refusal", "sequence_splits", "some", "spatial_base",
            "spatial_rule", "splits_dim", "stage_cut_refusal", "stage_groups", "stage_interfaces", "stage_io",
            "stage_starts", "standalone", "tp_refusal", "view_sizes", "weight_split"]

@@ -1,7 +1,8 @@
 """Pipeline stages of a plan: how many its schedule runs (``check_stage_count``), where they may start
 (``legal_starts``: a block's first layer where the model can be cut and nothing split over tp crosses), the blocks
 each holds (``stage_groups``), the micro-batches the schedule takes (``check_micro_batches``) and the stage that
-holds each parameter and buffer (``holding_stages``). The search, ``validate``, the runtime's check and the
+holds each parameter and buffer (``holding_stages``), and the blocks whose parameters are theirs alone (``own_units``:
+what FSDP gathers block by block). The search, ``validate``, the runtime's check and the
 pipeline runtime read these, and nothing else, about stages."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from hybridpar.errors import PlanError
 from hybridpar.ir.rules.cuts import crossing_sources, stage_cut_refusal
+from hybridpar.ir.sources import PARAM
 from hybridpar.ir.types import SCHEDULES
 
 
@@ -92,8 +94,13 @@ def _index(graph, name: str, firsts: dict[str, int]) -> int:
     if name not in names:
         raise PlanError(f"stage boundary {name!r} is not a layer of the model ({graph.name})")
     if graph.blocks and name not in firsts:
+        starts = [graph.layers[i].name for i in graph.stage_starts]
+        if not starts:
+            why = next((stage_cut_refusal(graph, b) for b, i in graph.block_starts.items() if b > 0 and i > 0),
+                       "it has one block")
+            raise PlanError(f"a stage cannot start at {name!r}, nor anywhere in {graph.name}: {why}; use pp=1")
         raise PlanError(f"a stage cannot start at {name!r}: stages start where a block starts, at one of "
-                        f"{some([graph.layers[i].name for i in graph.stage_starts])}")
+                        f"{some(starts)}")
     return names[name]
 
 
@@ -134,3 +141,22 @@ def holding_stages(names: Iterable[str], groups: list[list[str]], pp: int) -> di
         unit = next((u for u in stage_of if name.startswith(u + ".")), None)
         out[name] = every if unit is None else (stage_of[unit],)
     return out
+
+
+def own_units(graph) -> tuple[str, ...]:
+    """The blocks, of those the forward calls, whose parameters only their own forward reads and no other name
+    shares: FSDP gathers each of these in its own forward. A block whose weight another module reads (DeBERTa's
+    relative-position table, read by its encoder; a head that reads the embedding's weight) or that shares a
+    parameter with another module (a tied head, a module registered twice) stays with the root, which gathers
+    it once for all its uses."""
+    def block_of(name: str) -> str | None:
+        return next((b for b in graph.blocks if name.startswith(b + ".")), None)
+
+    def inside(owner: str, block: str) -> bool:
+        return owner == block or owner.startswith(block + ".")
+
+    foreign = {block_of(n) for names in graph.shared for n in names}
+    for layer in graph.layers:
+        read = set(layer.params) | {n for r in layer.reads if r.source == PARAM for n in r.params}
+        foreign.update(b for b in map(block_of, read) if b is not None and not inside(layer.owner, b))
+    return tuple(b for b in graph.blocks if b not in foreign)
