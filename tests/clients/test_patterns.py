@@ -156,11 +156,49 @@ class MaskPositions(nn.Module):
         return self.head(h)
 
 
+class PositionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, h, positions):
+        return torch.tanh(self.linear(h) + positions)
+
+
+class Sinusoids(nn.Module):
+    def __init__(self):
+        super().__init__()
+        angles = torch.arange(T).unsqueeze(1) / 10 ** (torch.arange(D) / D)
+        self.register_buffer("table", torch.sin(angles), persistent=False)
+
+    def forward(self, position_ids):
+        return self.table[position_ids]
+
+
+class ExpandedPositions(nn.Module):
+    """Positions made for the batch's size from ``arange`` (``expand(batch, -1)``, not from the input's values),
+    looked up by a block and passed to every layer: a stage receives them from the stage before, at the
+    micro-batch's size (once declared at the whole batch's: a crash)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(32, D), Sinusoids()
+        self.layers = nn.ModuleList(PositionBlock() for _ in range(2))
+        self.head = nn.Linear(D, 32)
+
+    def forward(self, ids):
+        positions = self.pos(torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, positions)
+        return self.head(h)
+
+
 MODELS = {"config-heads": ConfigHeads, "channels-last-norm": ChannelsLastNorm, "tensor-heads": TensorHeads,
           "dropped-head": DroppedHead, "dropped-conv-head": DroppedConvHead, "aliased-head": AliasedHead,
           "dict-blocks": DictBlocks, "read-table": ReadTable, "sized-blocks": SizedBlocks,
-          "mask-positions": MaskPositions}
-TOKENS = ("aliased-head", "mask-positions")  # models of token ids, with a cross-entropy loss
+          "mask-positions": MaskPositions, "expanded-positions": ExpandedPositions}
+TOKENS = ("aliased-head", "mask-positions", "expanded-positions")  # models of token ids, with a cross-entropy loss
 CALLS: list[int] = []  # loss calls of the last step on this rank
 
 
@@ -251,6 +289,7 @@ def test_a_view_that_fixes_the_head_count_is_refused_by_every_check():
     ("sized-blocks", dict(pp=2, micro_batches=2, stages=("layers.2.linear",))),
     ("mask-positions", dict(pp=2, micro_batches=2, stages=("layers.1",))),
     ("mask-positions", dict(pp=2, micro_batches=2, stages=("head",))),
+    ("expanded-positions", dict(pp=2, micro_batches=2, stages=("layers.1.linear",))),
 ])
 def test_the_patterns_equal_one_process(dist2, dist4, name, fields):
     """An output computed and dropped once left ~40 gradients up to 2e-2 off under data or spatial parallelism (its

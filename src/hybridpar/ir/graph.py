@@ -204,6 +204,14 @@ class ModelGraph:
         return replace(self, input_shape=resized(self.input_shape, True), block_calls=calls, output=output,
                        input_bytes=self.input_bytes * batch // example)
 
+    def with_shapes(self, shapes: dict[int, tuple[int, ...]]) -> ModelGraph:
+        """The graph with the values ``shapes`` (``BlockArg.value``: shape) passed to its blocks in those shapes: what
+        a run of the pipeline stages found they exchange (a value made from the batch's size, not computed from the
+        input, which ``at_batch`` cannot tell from a table of positions)."""
+        calls = tuple(replace(call, args=tuple(replace(a, shape=shapes.get(a.value, a.shape)) for a in call.args))
+                      for call in self.block_calls)
+        return replace(self, block_calls=calls)
+
     def index_of(self, name: str) -> int:
         """The index of the layer called ``name``, or a ``PlanError`` that lists some of the names."""
         index = self.__dict__.get("_names") or self.__dict__.setdefault(

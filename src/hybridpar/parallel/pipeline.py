@@ -213,11 +213,13 @@ def connect(module: nn.Module, run: StageRun) -> None:
             block.register_forward_pre_hook(run.substitute, with_kwargs=True, prepend=True)
 
 
-def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -> None:
+def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -> ModelGraph:
     """Run the stages' modules one after another on the meta device, each on what the one before sends, as
     they will run, so that a forward the stages cannot run (model code that needs a value a skipped block
     stands in for) fails here, before any communication, naming the stage. ``graph``: the model's for one
-    micro-batch."""
+    micro-batch; returned with the shapes the stages were found to send."""
+    sent: dict[int, tuple[int, ...]] = {}
+    interfaces = rules.stage_interfaces(graph, groups)
     values = meta.Values()
     with values:
         copied = meta.meta_copy(model, values)
@@ -234,6 +236,8 @@ def check_stages(model: nn.Module, graph: ModelGraph, groups: list[list[str]]) -
                 raise PlanError(f"pipeline stage {stage} (blocks {held}) does not run on its own "
                                 f"({type(err).__name__}: {why}); cut the model at other blocks") from None
             inputs = out if isinstance(out, tuple) else (out,)
+            sent.update((v, tuple(t.shape)) for v, t in zip(interfaces[stage].sends, inputs))
+    return graph.with_shapes(sent)
 
 
 def stages_of_rank(num_stages: int, pp: int, rank: int) -> list[int]:

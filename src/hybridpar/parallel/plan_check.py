@@ -38,10 +38,9 @@ def check_plan(model: nn.Module, plan: Plan, example_input: torch.Tensor | None 
 def _micro_graph(model: nn.Module, plan: Plan, graph: ModelGraph, groups) -> ModelGraph:
     """The graph of one micro-batch (``ModelGraph.at_batch``, no second trace): the shapes the pipeline stages
     exchange and stand in for; each stage is run on the meta device, as it will run, so that a forward the stages
-    cannot run fails here."""
+    cannot run fails here, and what each sends is what it was found to send."""
     micro = graph.at_batch(replica_batch(plan, graph.batch) // plan.micro_batches)
-    pipeline.check_stages(model, micro, [list(g) for g in groups])
-    return micro
+    return pipeline.check_stages(model, micro, [list(g) for g in groups])
 
 
 def check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
