@@ -40,6 +40,7 @@ from hybridpar.ir.rules import some
 from hybridpar.ir.types import SCHEDULES as PLAN_SCHEDULES
 
 SCHEDULES = dict(zip(PLAN_SCHEDULES, (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)))
+PLAIN = (int, float, bool, str, type(None))  # what a stand-in's block may be passed besides tensors for a meta run
 
 
 class StandIn(nn.Module):
@@ -79,9 +80,11 @@ class StandIn(nn.Module):
     def _returns(self, leaves: list, spec, recorded: tuple) -> tuple:
         """The structure of what the block returns for these arguments: its meta copy run on them (shapes the
         model's code made from the micro-batch's, a mask of ``ones(batch, seq)``, come out as the real block's
-        would), once per kind of arguments; where that needs values it does not have, the analysis' record."""
-        key = (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else
-                                t if isinstance(t, (int, float, bool, str, type(None))) else type(t) for t in leaves))
+        would), once per kind of arguments; where that needs values it does not have, or the block is passed an
+        object it might change (a cache), the analysis' record."""
+        if not all(isinstance(t, (torch.Tensor, *PLAIN)) for t in leaves):
+            return recorded
+        key = (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
         if key not in self._shapes:
             block = object.__getattribute__(self, "_block")
             metas = [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
