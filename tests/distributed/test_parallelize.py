@@ -104,6 +104,7 @@ CASES2 = {
     "dp2-shares": dict(dp=2, shares=(5, 3)),
     "fsdp2-shares": dict(dp=2, sharding=3, shares=(2, 6)),
     "tp2-checkpointing": dict(tp=2, checkpointing=True),
+    "fsdp2-checkpointing": dict(dp=2, sharding=3, checkpointing=True),
     "tp2-sequence": dict(tp=2, sequence_parallel=True),
 }
 CASES4 = {

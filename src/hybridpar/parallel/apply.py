@@ -163,11 +163,11 @@ def _build(module: nn.Module, plan: Plan, grid: Grid, mesh: DeviceMesh, checked:
         from hybridpar import spatial
 
         module = spatial.parallelize(module, mesh["spatial"], grid=grid, batch_norm_mesh=mesh[norm_axes])
-    held = [m for _, m in blocks(module) if not getattr(m, "stands_in", False)]
+    held = [(name, m) for name, m in blocks(module) if not getattr(m, "stands_in", False)]
     if plan.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-        wrapped = {id(b) for b in held}
+        wrapped = {id(b) for _, b in held}
         apply_activation_checkpointing(module, check_fn=lambda m: id(m) in wrapped)
     if plan.dp * math.prod(plan.spatial) == 1:
         return module, False
@@ -176,8 +176,8 @@ def _build(module: nn.Module, plan: Plan, grid: Grid, mesh: DeviceMesh, checked:
 
         dp_mesh = flat_mesh(mesh, ("dp", "spatial"))
         units = set(rules.own_units(checked.graph))
-        for name, block in blocks(module):
-            if name in units and not getattr(block, "stands_in", False) and any(True for _ in block.parameters()):
+        for name, block in held:
+            if name in units and any(True for _ in block.parameters()):
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3)
         return fully_shard(module, mesh=dp_mesh, reshard_after_forward=plan.sharding == 3), False
     if checked.splits or plan.pp > 1:

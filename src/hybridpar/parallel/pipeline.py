@@ -84,7 +84,7 @@ class StandIn(nn.Module):
         object it might change (a cache), the analysis' record."""
         if not all(isinstance(t, (torch.Tensor, *PLAIN)) for t in leaves):
             return recorded
-        key = (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
+        key = (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
         if key not in self._shapes:
             block = object.__getattribute__(self, "_block")
             metas = [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]

@@ -95,8 +95,7 @@ def sized_for(model: nn.Module, example_input, graph: ModelGraph, plan: Plan, sp
     return sizing.sized(plan, speeds, runs, layers)
 
 
-def cluster_speeds(config: Config, model: nn.Module, example_input, graph: ModelGraph,
-                   plan: Plan) -> tuple[float, ...] | None:
+def cluster_speeds(config: Config, graph: ModelGraph, plan: Plan) -> tuple[float, ...] | None:
     """Each rank's speed on a mixed cluster (``config.cluster``: the cost model's, ``plan.mixed``), which its plan
     was sized for; ``None`` on one kind of device."""
     if not config.cluster:
@@ -110,7 +109,7 @@ def cluster_speeds(config: Config, model: nn.Module, example_input, graph: Model
     return tuple(per_group[spec.group_of_rank(r)] for r in range(plan.world_size))
 
 
-def layers_for(model: nn.Module, example_input, graph: ModelGraph, plan: Plan) -> sizing.Layers | None:
+def layers_for(graph: ModelGraph, plan: Plan) -> sizing.Layers | None:
     """What sizes a pipeline's stages (``plan.sizing.Layers``) for a plan with pp > 1; ``None`` without stages."""
     return sizing.Layers.of(graph) if plan.pp > 1 else None
 

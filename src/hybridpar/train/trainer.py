@@ -92,8 +92,8 @@ def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | No
                                      local + optimizer_state_bytes(local, config.optimizer.name))
     slowdown = faults.slowdown(parallel)  # before the timing's hooks: a slowed rank's forward is timed slow
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
-               pace.Pace(config, plan, parallel, speeds or planning.cluster_speeds(config, *task.analysed, plan),
-                         planning.layers_for(*task.analysed, plan)), slowdown)
+               pace.Pace(config, plan, parallel, speeds or planning.cluster_speeds(config, task.analysed[2], plan),
+                         planning.layers_for(task.analysed[2], plan)), slowdown)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
