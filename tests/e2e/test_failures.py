@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hybridpar.train import checkpoint_dir, metrics
+from support.processes import alive, gone_within
 from test_train import COSMO, expect_error, final_weights, hybridpar, synth, write_config
 from test_train_gpt import config, last_checkpoint, losses, plan_file
 
@@ -125,27 +126,49 @@ def test_weights_that_became_infinite_are_never_checkpointed(tmp_path):
     assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "run" / "checkpoints")] == [3]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to every process"])
-def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, how):
-    """SIGTERM (what SLURM sends before a time limit) or Ctrl-C: every worker finishes its step, the run writes a
-    checkpoint of it, says where to resume from and exits 143 or 130; --resume goes on from that step."""
+def long_run(tmp_path: Path, checkpoint_every: int = 0) -> Path:
+    """A config of a run far longer than any test waits for (dp=2, checkpoints every ``checkpoint_every`` steps)."""
     cfg = config(tmp_path / "c.toml", tmp_path / "run", top=DP2)
     text = cfg.read_text().replace("steps = 6", "steps = 100000").replace("log_every = 2", "log_every = 10000")
-    cfg.write_text(text.replace("every = 3", "every = 0"))
-    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "hybridpar", "train", str(cfg), "--nproc", "2"], stdout=stdout,
-                                stderr=stderr, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-        deadline = time.monotonic() + 120
-        while (metrics_lines(tmp_path / "run") < 3 and proc.poll() is None) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if how == "SIGTERM to the launcher":
-            proc.send_signal(signal.SIGTERM)
-        else:
+    cfg.write_text(text.replace("every = 3", f"every = {checkpoint_every}"))
+    return cfg
+
+
+def started(cfg: Path, out: Path, *flags) -> subprocess.Popen:
+    """``hybridpar train cfg --nproc 2`` in a session of its own, once it has logged 3 records (stdout and
+    stderr into ``out`` and ``out.err``)."""
+    with out.open("w") as stdout, out.with_suffix(".err").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridpar", "train", str(cfg), "--nproc", "2", *flags],
+                                stdout=stdout, stderr=stderr, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
+    while (metrics_lines(cfg.parent / "run") < 3 and proc.poll() is None) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to every process", "two SIGTERMs in a row"])
+def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, how):
+    """SIGTERM (what SLURM sends before a time limit; ``timeout`` and SLURM may send it twice) or Ctrl-C: every
+    worker finishes its step, the run writes a checkpoint of it, says so while it waits, then where to resume
+    from, and exits 143 or 130; --resume goes on from that step."""
+    cfg = long_run(tmp_path)
+    out, err = tmp_path / "out.txt", tmp_path / "out.err"
+    proc = started(cfg, out)
+    try:
+        if how == "Ctrl-C to every process":
             os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=120)
-    name, expected_code = ("SIGTERM", 143) if how.startswith("SIGTERM") else ("SIGINT", 130)
+        else:
+            proc.send_signal(signal.SIGTERM)
+            if how == "two SIGTERMs in a row":
+                time.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=150)
+    finally:
+        ended(proc)
+    name, expected_code = ("SIGINT", 130) if how.startswith("Ctrl-C") else ("SIGTERM", 143)
     assert code == expected_code, out.read_text() + err.read_text()
+    assert f"{name}: the workers finish their step and write its checkpoint (waiting up to 120 s" in out.read_text()
     found = re.search(rf"stopped by {name}; last checkpoint: step (\d+) \(.*\); continue with --resume",
                       out.read_text())
     assert found, out.read_text()
@@ -155,6 +178,111 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path, how):
     assert not err.read_text().strip(), err.read_text()  # no traceback, no warning
     resumed = hybridpar("train", cfg, "--nproc", 2, "--resume", "--stop-after", step + 2)
     assert f"trained steps {step}..{step + 2} on dp=2" in resumed.stdout, resumed.stdout
+
+
+def test_workers_die_with_their_launcher_and_a_run_dir_holds_one_run(tmp_path):
+    """While a run trains, a second one on its run_dir (a --resume) is refused, naming the first's pid. SIGKILL to
+    the launcher (what the OOM killer sends) ends its workers and fork server within seconds: nothing writes to
+    the run_dir after it. The lock the dead run left is taken over: --resume goes on from its checkpoint."""
+    cfg = long_run(tmp_path, checkpoint_every=1)
+    first = started(cfg, tmp_path / "first.txt")
+    try:
+        second = hybridpar("train", cfg, "--nproc", 2, "--resume", check=False)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"is in use by another run (pid {first.pid} on host" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+        workers = descendants(first.pid)
+        assert len(workers) >= 3, workers  # the fork server, the workers (and the resource tracker)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        assert gone_within(workers, 30) == []
+    finally:
+        ended(first)
+    written = (tmp_path / "run" / "metrics.jsonl").read_text()
+    time.sleep(1)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == written
+    step = checkpoint_dir.checkpoints(tmp_path / "run" / "checkpoints")[-1][0]
+    resumed = hybridpar("train", cfg, "--nproc", 2, "--resume", "--stop-after", step + 1)
+    assert f"trained steps {step}..{step + 1} on dp=2" in resumed.stdout, resumed.stdout + resumed.stderr
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """The training workers of a local run: the fork server's children."""
+    server = [p for p in descendants(launcher) if "forkserver" in Path(f"/proc/{p}/cmdline").read_text()
+              and Path(f"/proc/{p}/status").read_text().split("PPid:")[1].split()[0] == str(launcher)]
+    return descendants(server[0])
+
+
+def test_a_stopped_worker_is_a_hang_the_run_recovers_from(tmp_path):
+    """SIGSTOP to a worker: no error, no exit, every rank waits. Its peer's watchdog finds no progress within its
+    limit (10 s here: the steps are short), names the rank that stopped beating, ends the attempt; the run
+    restarts from its newest checkpoint and ends where the uninterrupted run ends, bit for bit."""
+    reference = config(tmp_path / "r.toml", tmp_path / "reference", top=DP2)
+    cfg = config(tmp_path / "c.toml", tmp_path / "run", top=DP2)
+    for path in (reference, cfg):
+        path.write_text(path.read_text().replace("steps = 6", "steps = 300").replace("every = 3", "every = 5"))
+    hybridpar("train", reference, "--nproc", 2)
+    proc = started(cfg, tmp_path / "out.txt", "--max-restarts", "1")
+    try:
+        stopped = worker_pids(proc.pid)[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        assert proc.wait(timeout=200) == 0, (tmp_path / "out.txt").read_text() + (tmp_path / "out.err").read_text()
+    finally:
+        ended(proc)
+    out = (tmp_path / "out.txt").read_text()
+    found = re.search(r"hung: no progress in (step \d+|the \w+ after step \d+) for [\d.]+ s on rank (\d) \(its "
+                      r"limit [\d.]+ s: train.hang_factor = 10\); rank (\d) stopped beating \(stopped, frozen or cut "
+                      r"off\); last checkpoint: step \d+; restarting \(1 of 1\)", out)
+    assert found and found.group(2) != found.group(3), out
+    assert not alive(stopped)
+    assert losses(tmp_path / "run")[-1] == losses(tmp_path / "reference")[-1]
+    expected, got = last_checkpoint(tmp_path / "reference"), last_checkpoint(tmp_path / "run")
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+
+
+def test_a_stalled_collective_is_a_hang_that_stops_the_run_with_its_checkpoint(tmp_path):
+    """A rank that stops sending but lives on (its heartbeat goes on: a link dropping packets): the hang is
+    found, told as a stalled collective, and without --max-restarts the run stops, its checkpoint kept."""
+    cfg = config(tmp_path / "c.toml", tmp_path / "run", top=DP2)
+    cfg.write_text(cfg.read_text().replace("steps = 6", "steps = 40").replace("every = 3", "every = 2"))
+    error = expect_error("train", cfg, "--nproc", 2, env={"HYBRIDPAR_FAULTS": "stall:1@7"}, code=1,
+                         match="hung: no progress in step 7 for ")
+    assert "every rank beats: a collective or its link stalled; last checkpoint: step 6; continue with --resume " \
+        "(or let --max-restarts N restart it)" in error, error
+    assert [s for s, _ in checkpoint_dir.checkpoints(tmp_path / "run" / "checkpoints")][-1] == 6
+
+
+def ended(proc: subprocess.Popen) -> None:
+    """Whatever of a run a failed test left: its session killed."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_demo_stops_on_a_signal_in_one_line(tmp_path):
+    with (tmp_path / "out").open("w") as out, (tmp_path / "err").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "hybridpar", "demo", "--steps", "100000"], stdout=out,
+                                stderr=err, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(descendants(proc.pid)) < 4 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # the workers started
+    time.sleep(2)
+    workers = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=150) == 143
+    assert (tmp_path / "err").read_text().strip() == "error: stopped by SIGTERM"
+    assert gone_within(workers, 30) == []
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            new = [int(c) for c in (task / "children").read_text().split()]
+            found += new
+            todo += new
+    return found
 
 
 def metrics_lines(run: Path) -> int:

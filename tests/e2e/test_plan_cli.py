@@ -56,6 +56,49 @@ def test_errors_are_one_line(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag, value", [("--top", "-1"), ("--dp", "-1"), ("--tp", "-1"), ("--pp", "-1"),
+                                         ("--dp", "0"), ("--devices", "0"), ("--batch", "-8"), ("--verify", "-1")])
+def test_bad_counts_are_argument_errors_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(with_options(SMALL, {flag: value}))
+    assert exit_.value.code == 2
+    least = 0 if flag == "--verify" else 1
+    assert f"argument {flag}: '{value}': give a whole number of at least {least}" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_analysis(monkeypatch):
+    def graph_of(*args):
+        raise AssertionError("the model was analysed before the input was refused")
+
+    monkeypatch.setattr("hybridpar.plan.graph_of", graph_of)
+
+
+def test_an_out_that_is_a_folder_is_refused_before_the_analysis(tmp_path, capsys, no_analysis):
+    for options in (["--overwrite"], []):
+        assert main(SMALL + ["--out", str(tmp_path)] + options) == 2
+        err = capsys.readouterr().err
+        assert f"--out {tmp_path}: a folder, not a file; give the file to write, e.g. --out {tmp_path / 'plan.json'}" \
+            in err and "Traceback" not in err
+    assert main(SMALL + ["--out", str(tmp_path / "none" / "plan.json")]) == 2
+    assert f"folder {tmp_path / 'none'} does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cluster_file_that_cannot_price_the_dtype_is_refused_before_the_analysis(tmp_path, capsys, no_analysis):
+    from hybridpar.plan import preset
+    from hybridpar.plan.io import write_cluster
+
+    cluster = tmp_path / "v100.toml"
+    write_cluster(preset("v100"), cluster)
+    argv = with_options(SMALL, {"--cluster": str(cluster), "--dtype": "bfloat16", "--devices": "8"})
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cluster 'v100' has no peak FLOP/s for dtype 'bfloat16'" in err and "Traceback" not in err
+    assert main(with_options(argv, {"--devices": str(2**21)})) == 2
+    assert "2,097,152 devices: more than 1,048,576" in capsys.readouterr().err
+
+
 def test_bad_input_shape_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--model", "cosmoflow", "--input", "1x4xfoo", "--cluster", "a100-80"])

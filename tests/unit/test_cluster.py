@@ -234,6 +234,8 @@ latency_us = 5
     ("[inter_node]\nbandwidth_gbs = 25\nlatency_us = 5\n", "", "missing table [inter_node]"),
     ('name = "a100-80"', 'inter_node = 3\nname = "a100-80"', "inter_node = 3: expected a table [inter_node]"),
     ("nodes = 1", "nodes = = 1", "not valid TOML"),
+    ("nodes = 1", "nodes = 100000000000000000", "nodes = 100000000000000000: more than 1,048,576 devices"),
+    ("nodes = 1", "nodes = 200000", "200,000 nodes of 8 devices make 1,600,000 devices, more than 1,048,576"),
 ])
 def test_toml_errors_name_the_file_and_the_key(tmp_path, old, new, message):
     assert old in EXAMPLE
@@ -245,6 +247,28 @@ def test_toml_errors_name_the_file_and_the_key(tmp_path, old, new, message):
     with pytest.raises(ClusterError) as err:
         load_cluster(str(path))
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("group, message", [
+    ("cluster = 5\nnodes = 1", 'group[0].cluster = 5: give a preset name (v100, a100-40, a100-80, h100, h200, '
+                               'mi250x) or the path of a cluster TOML file, as a string, e.g. cluster = "a100-80"'),
+    ('cluster = "a100-80"\nnodes = 100000000000000000',
+     "group[0].nodes = 100000000000000000: more than 1,048,576 devices (ten times the largest machines built)"),
+    ('cluster = "a100-80"\nnodes = 100000\n[[group]]\ncluster = "h100"\nnodes = 100000',
+     "its groups make 1,600,000 devices, more than 1,048,576"),
+])
+def test_group_errors_name_the_key_and_what_it_takes(tmp_path, group, message):
+    path = tmp_path / "mixed.toml"
+    path.write_text(f'name = "mixed"\n[[group]]\n{group}\n')
+    with pytest.raises(ClusterError) as err:
+        load_cluster(str(path))
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value), str(err.value)
+
+
+def test_device_counts_are_bounded():
+    with pytest.raises(ClusterError, match="2,097,152 devices: more than 1,048,576"):
+        A100.with_devices(2**21)
+    assert A100.with_devices(2**20).num_devices == 2**20
 
 
 def test_missing_file_names_the_file_and_the_presets(tmp_path):

@@ -77,6 +77,8 @@ def test_bad_keys_and_values(sections, message):
     ({"cluster": "a100-80"}, r"cluster = 'a100-80' is used only with plan; set plan"),
     ({"plan": 1}, "plan = 1: expected str"),
     ({"plan": "auto", "cluster": ["a100-80"]}, r"cluster = \['a100-80'\]: expected str"),
+    ({"plan": "auto", "cluster": 5}, r"cluster = 5: expected str: a preset name \(v100, a100-40, .*\) or the path of "
+                                     "a cluster TOML file"),
     ({"plan": "auto", "cluster": "a100-80", "mesh": {"dp": 2}},
      r"mesh.dp and plan = 'auto' both set the mesh .*; remove one of the two"),
     ({"plan": "plan.json", "mesh": {"spatial": [2, 1, 1]}}, "mesh.spatial and plan = 'plan.json' both set the mesh"),

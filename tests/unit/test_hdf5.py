@@ -170,6 +170,25 @@ def test_bad_files_name_the_file_and_sample(tmp_path, kind):
     assert str(path) in str(err.value) and "sample file 1" in str(err.value)
 
 
+def test_another_tasks_data_is_named_as_such(tmp_path):
+    """Segmentation volumes read as CosmoFlow universes (or the reverse) are not damaged files: the error names the
+    datasets found, those expected and the config keys that choose them."""
+    from hybridpar.data import synth
+
+    seg = synth.synth_segmentation(tmp_path / "seg", 1, 8)[0]
+    cosmo = synth.synth_cosmoflow(tmp_path / "cosmo", 1, 8)[0]
+    with pytest.raises(DataError) as err:
+        SlabDataset([seg], COSMOFLOW)
+    assert str(err.value) == (f"{seg} (sample file 0): holds segmentation data (datasets 'image' and 'label'), not "
+                              "the datasets 'full' and 'unitPar' this run reads; train on it with data.format = "
+                              '"segmentation" and model.name = "unet3d", or point data.train / data.val at files of '
+                              "this run's task")
+    with pytest.raises(DataError, match='holds cosmoflow data .* data.format = "cosmoflow" and model.name = '
+                                        '"cosmoflow"') as err:
+        SlabDataset([cosmo], SEGMENTATION)
+    assert "damaged" not in str(err.value)
+
+
 def test_skip_bad_counts_and_skips(tmp_path):
     bad, good = _bad_files(tmp_path)
     ds = SlabDataset([good] + [p for p, _ in bad.values()] + [good], RAW, skip_bad=True)

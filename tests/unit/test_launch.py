@@ -1,14 +1,18 @@
 """The local launcher: every socket it and its workers listen on is bound to 127.0.0.1 (PyTorch's stores would
-listen on every interface), and the workers' return values come back."""
+listen on every interface), the workers' return values come back, and the workers end with their launcher."""
 
 import os
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hybridpar.launch import launch_local, loopback_store
+from support.processes import gone_within
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -73,3 +77,43 @@ def test_a_loopback_store_serves_clients():
         assert client.get("key") == b"value"
     finally:
         listener.close()
+
+
+_LAUNCHER = """
+import sys
+from hybridpar.launch import launch_local
+from support.processes import wait_forever
+launch_local(wait_forever, (sys.argv[1],), 2, preload=tuple(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("start", ["forked by a fork server", "spawned"])
+def test_workers_end_with_their_launcher_however_it_ends(tmp_path, start):
+    """SIGKILL to the launcher (what the OOM killer sends): its workers, and the fork server, end within seconds."""
+    preload = ["support.processes"] if start.startswith("forked") else []
+    tests = str(Path(__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path), *preload], env=env,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [int(p.stem) for p in tmp_path.glob("*.pid")]
+        assert len(workers) == 2
+        others = [p for p in descendants(launcher.pid) if p not in workers]  # the fork server, the resource tracker
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        assert gone_within(workers + others, 30) == []
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(launcher.pid)], check=False)
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            children = [int(c) for c in (task / "children").read_text().split()]
+            found += children
+            todo += children
+    return found

@@ -231,3 +231,31 @@ def test_out_dir_that_is_a_file(tmp_path):
     (tmp_path / "taken").write_text("")
     with pytest.raises(HybridparError, match="is a file, not a directory"):
         synth.synth_cosmoflow(tmp_path / "taken", 1, 8)
+
+
+def test_a_sample_larger_than_the_memory_is_refused_before_the_folder_is_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(synth, "available_memory", lambda: 2**30)
+    with pytest.raises(HybridparError, match=r"size = 512 \(CLI: --size\): one sample of 512\^3 voxels takes about "
+                                             r"5 GiB to generate \(40 bytes per voxel\), more than the 1 GiB this "
+                                             r"machine has available; use a size of at most 299"):
+        synth.synth_cosmoflow(tmp_path / "out", 1, 512)
+    assert not (tmp_path / "out").exists()
+    assert 299**3 * synth.BYTES_PER_VOXEL <= 2**30 < 300**3 * synth.BYTES_PER_VOXEL
+
+
+@pytest.mark.parametrize("generator, worker", [(synth.synth_cosmoflow, "universe_counts"),
+                                               (synth.synth_segmentation, "segmentation_volume")])
+def test_a_failed_generation_leaves_no_folder_and_no_file(tmp_path, monkeypatch, generator, worker):
+    def fail(*args):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(synth, worker, fail)
+    with pytest.raises(MemoryError):
+        generator(tmp_path / "new" / "out", 2, 8)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "mine.txt").write_text("")
+    with pytest.raises(MemoryError):
+        generator(tmp_path / "kept" / "out", 2, 8)
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]
+

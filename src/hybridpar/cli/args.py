@@ -5,6 +5,7 @@ flags that several commands share (``--model``, ``--input``, ``--input-dtype``, 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from hybridpar.errors import HybridparError
 
@@ -42,6 +43,21 @@ def non_negative(text: str) -> int:
     if len(value) != 1 or value[0] < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 0")
     return value[0]
+
+
+def output_file(text: str, overwrite: bool, example: str, parents: bool = False) -> Path:
+    """The file ``--out`` names, checked before any work: not a folder, not a file that exists unless
+    ``overwrite``, in a folder that exists (``parents``: or that the command creates). ``example``: a file name
+    to suggest inside a folder."""
+    out = Path(text)
+    if out.is_dir():
+        raise HybridparError(f"--out {text}: a folder, not a file; give the file to write, e.g. --out "
+                             f"{out / example}")
+    if out.exists() and not overwrite:
+        raise HybridparError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    if not parents and not out.parent.is_dir():
+        raise HybridparError(f"--out {text}: folder {out.parent} does not exist; create it, or choose another --out")
+    return out
 
 
 def shape(text: str) -> tuple[int, ...]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from hybridpar.cli.args import positive
-from hybridpar.errors import HybridparError
+from hybridpar.cli.args import output_file, positive
 
 
 def add_parser(sub) -> None:
@@ -23,14 +22,10 @@ def add_parser(sub) -> None:
 
 
 def run(args, console: Console) -> int:
-    from pathlib import Path
-
     from hybridpar.calibrate import calibrate, default_nproc, summary
     from hybridpar.plan.io import write_cluster
 
-    out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise HybridparError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    out = output_file(args.out, args.overwrite, "cluster.toml", parents=True)  # write_cluster makes its folder
     nproc = args.nproc or default_nproc()
     console.print(f"[bold]hybridpar calibrate[/]: this machine as {nproc} device{'s' if nproc > 1 else ''}, one worker "
                   f"process each, all measured at once; {args.dtype}{', quick' if args.quick else ''}", soft_wrap=True)

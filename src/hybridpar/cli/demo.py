@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from hybridpar.cli.args import parts
+from hybridpar.cli.args import parts, positive
 
 TOLERANCE = 1e-9  # float64 end to end; differences are summation order only (~1e-15)
 
@@ -13,11 +13,11 @@ TOLERANCE = 1e-9  # float64 end to end; differences are summation order only (~1
 def add_parser(sub) -> None:
     demo = sub.add_parser("demo", help="train a small 3D CNN with dp x spatial on local processes, "
                                        "checked against one process")
-    demo.add_argument("--dp", type=int, default=2, help="data-parallel replicas (default 2)")
+    demo.add_argument("--dp", type=positive, default=2, help="data-parallel replicas (default 2)")
     demo.add_argument("--spatial", type=parts, default=(2, 1, 1), help="parts per dim D,H,W (default 2,1,1)")
-    demo.add_argument("--size", type=int, default=16, help="edge of the cubic sample (default 16)")
-    demo.add_argument("--batch", type=int, default=4, help="global batch (default 4)")
-    demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    demo.add_argument("--size", type=positive, default=16, help="edge of the cubic sample (default 16)")
+    demo.add_argument("--batch", type=positive, default=4, help="global batch (default 4)")
+    demo.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
 
 
 def run(args, console: Console) -> int:

@@ -10,7 +10,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hybridpar.cli.args import CLUSTER_HELP, DTYPES, add_model_arguments, integers, levels
+from hybridpar.cli.args import (
+    CLUSTER_HELP,
+    DTYPES,
+    add_model_arguments,
+    integers,
+    levels,
+    non_negative,
+    output_file,
+    positive,
+)
 from hybridpar.errors import HybridparError
 from hybridpar.plan.cluster import GiB
 
@@ -19,20 +28,20 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the fastest ways to run a model on a cluster, predicted (no GPUs needed)")
     add_model_arguments(p, "1x4x512x512x512")
     p.add_argument("--cluster", required=True, help=CLUSTER_HELP)
-    p.add_argument("--devices", type=int, default=None, help="devices in all (default: the cluster file's)")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default: the input's batch)")
+    p.add_argument("--devices", type=positive, default=None, help="devices in all (default: the cluster file's)")
+    p.add_argument("--batch", type=positive, default=None, help="global batch (default: the input's batch)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     for axis in ("dp", "tp", "pp"):
-        p.add_argument(f"--{axis}", type=int, default=None, help=f"fix the {axis} degree")
+        p.add_argument(f"--{axis}", type=positive, default=None, help=f"fix the {axis} degree")
     p.add_argument("--spatial", default=None, help="fix the spatial grid, e.g. 4,2,1")
     p.add_argument("--sharding", type=levels, default=(0, 1, 2, 3), help="ZeRO levels to consider (default 0,1,2,3)")
     p.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
-    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--top", type=positive, default=5, help="plans to show (default 5)")
     p.add_argument("--out", default=None, help="write the best plan as JSON to this file")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or json")
-    p.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="N",
+    p.add_argument("--verify", type=non_negative, nargs="?", const=3, default=0, metavar="N",
                    help="run one float64 step of the best N plans (default 3) on --devices local processes against "
                         "one process, on a random batch, and compare every tensor (hybridpar verify)")
 
@@ -42,10 +51,11 @@ def run(args, console: Console) -> int:
     from hybridpar.plan import cluster_of, graph_of, no_fit_message, search_plans
     from hybridpar.plan.space import Constraints
 
-    if args.out and Path(args.out).exists() and not args.overwrite:
-        raise HybridparError(f"{args.out} exists; pass --overwrite to replace it, or choose another --out")
+    if args.out:
+        output_file(args.out, args.overwrite, "plan.json")
     spec = cluster_of(args.cluster)
     spec = spec.with_devices(args.devices) if args.devices else spec
+    spec.check_dtype(args.dtype)  # what the cluster file can tell, before the model is analysed
     model, example = build_for_planning(args.model, args.input, args.input_dtype)
     start = time.perf_counter()
     graph = graph_of(model, example, args.dtype)

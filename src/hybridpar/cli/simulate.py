@@ -10,8 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hybridpar.cli.args import CLUSTER_HELP, DTYPES, add_model_arguments, device_counts
-from hybridpar.errors import HybridparError
+from hybridpar.cli.args import CLUSTER_HELP, DTYPES, add_model_arguments, device_counts, output_file
 
 DEFAULT_OUT = "scaling.png"
 
@@ -45,6 +44,7 @@ def run(args, console: Console) -> int:
     out = _output(args)
     families = tuple(f for f in args.families.split(",") if f.strip()) if args.families else None
     spec = cluster_of(args.cluster)
+    spec.check_dtype(args.dtype)  # what the cluster file can tell, before the model is analysed
     model, example = build_for_planning(args.model, args.input, args.input_dtype)
     start = time.perf_counter()
     graph = graph_of(model, example, args.dtype)
@@ -72,12 +72,7 @@ def _output(args) -> Path | None:
     """The PNG to write, checked before any work: refuse to replace a file without --overwrite."""
     if args.out is None and args.format == "json":
         return None
-    out = Path(args.out or DEFAULT_OUT)
-    if out.exists() and not args.overwrite:
-        raise HybridparError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
-    if not out.parent.is_dir():
-        raise HybridparError(f"--out {out}: directory {out.parent} does not exist")
-    return out
+    return output_file(args.out or DEFAULT_OUT, args.overwrite, DEFAULT_OUT)
 
 
 def _table(points) -> tuple[Table, list[tuple[int, str]]]:

@@ -51,6 +51,7 @@ def run(args, console: Console) -> int:
     from hybridpar.cli.progress import format_metrics
     from hybridpar.train.planning import local_world_size
     from hybridpar.train.recovery import stopped_message
+    from hybridpar.train.run_lock import RunDirLock
     from hybridpar.train.trainer import check, finished_at, prepare_run_dir
 
     if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:  # under torchrun
@@ -59,14 +60,15 @@ def run(args, console: Console) -> int:
             return 2 if "error" in result else 128 + result["signal"] if result.get("signal") else 0
     else:
         nproc = local_world_size(config, args.nproc, args.config, args.resume)
-        resume_from = prepare_run_dir(config, args.resume)
-        total = check(config, nproc, rescale=args.resume)  # the model, the data, the plan: before any worker starts
-        done = finished_at(total, resume_from)
-        if done is None:
-            _check_cores(nproc, args.oversubscribe)
-            result = _launch(config, args, nproc, console)
-        else:
-            result = {"finished": True, "steps": done}
+        _check_cores(nproc, args.oversubscribe)
+        with RunDirLock(config.run_dir):  # one run at a time in run_dir; its workers end with this process
+            resume_from = prepare_run_dir(config, args.resume)
+            total = check(config, nproc, rescale=args.resume)  # the model, the data, the plan: before any worker
+            done = finished_at(total, resume_from)
+            if done is None:
+                result = _launch(config, args, nproc, console)
+            else:
+                result = {"finished": True, "steps": done}
     if "error" in result:
         raise HybridparError(result["error"])
     if result.get("signal"):
@@ -90,33 +92,41 @@ def run(args, console: Console) -> int:
 
 def _launch(config, args, nproc: int, console: Console) -> dict:
     """Rank 0's result of ``nproc`` local workers, restarted up to ``--max-restarts`` times after a failure, each
-    failure told in one line (PyTorch's own reports of it silenced)."""
-    import logging
+    failure and a stop signal told in one line."""
+    import signal
     from pathlib import Path
 
-    from hybridpar.launch import Signalled, WorkersFailed, launch_local
-    from hybridpar.train.recovery import describe
+    from hybridpar.launch import STOP_GRACE_S, Signalled, WorkersFailed, launch_local
+    from hybridpar.train.recovery import describe, last_checkpoint
 
-    for name in list(logging.root.manager.loggerDict):  # each of PyTorch's agent modules sets its own level
-        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
     run_dir = Path(config.run_dir)
+    told: list[str] = []  # the last attempt's hang, as its watchdog told it
 
-    def report(failures: dict, restarts_left: int) -> None:
+    def report(failures: dict, restarts_left: int, hang: str | None) -> None:
+        told[:] = [hang] if hang else []
         if restarts_left > 0:
             attempt = args.max_restarts - restarts_left + 1
-            console.print(f"{describe(failures, run_dir)}; restarting ({attempt} of {args.max_restarts})",
+            console.print(f"{describe(failures, run_dir, hang=hang)}; restarting ({attempt} of {args.max_restarts})",
                           highlight=False, soft_wrap=True)
+
+    def stopping(number: int) -> None:
+        console.print(f"{signal.Signals(number).name}: the workers finish their step and write its checkpoint "
+                      f"(waiting up to {STOP_GRACE_S} s; a second Ctrl-C or SIGKILL stops them at once)",
+                      highlight=False, soft_wrap=True)
 
     try:
         return launch_local(worker, (config, args.resume, args.stop_after, True), nproc, max_restarts=args.max_restarts,
-                            on_failure=report, preload=("hybridpar.train.trainer", "hybridpar.cli.progress"))[0]
+                            on_failure=report, on_stop=stopping,
+                            preload=("hybridpar.train.trainer", "hybridpar.cli.progress"))[0]
     except Signalled as stop:  # the workers stopped after their step, with a checkpoint
         return {"signal": stop.signal}
+    except KeyboardInterrupt:  # a second Ctrl-C while they did: they ended at once, with the launcher
+        raise RunStopped(f"stopped at once by a second Ctrl-C; {last_checkpoint(run_dir)}; continue with --resume",
+                         exit_code=130) from None
     except WorkersFailed as failed:
         tried = f" after {args.max_restarts} restart(s)" if args.max_restarts else ""
         hint = "" if args.max_restarts else " (or let --max-restarts N restart it)"
-        raise RunStopped(f"{describe(failed.failures, run_dir, tried)}; continue with --resume{hint}",
+        raise RunStopped(f"{describe(failed.failures, run_dir, tried, *told)}; continue with --resume{hint}",
                          exit_code=1) from None
 
 
@@ -136,12 +146,16 @@ def worker(config, resume: bool, stop_after: int | None, local: bool = False) ->
     every rank before any communication), not thrown, so the command can print it in one line. A local worker
     stopped by a signal exits at once: the agent that passed the signal on no longer reads what workers return
     (and they would wait for it to)."""
+    import os
+
     from hybridpar.cli.progress import Progress
-    from hybridpar.launch import init_distributed, shutdown_distributed
+    from hybridpar.launch import die_with, init_distributed, shutdown_distributed
     from hybridpar.train.recovery import lost_peer
     from hybridpar.train.trainer import train
 
     _log_to_console()
+    if not local and "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with(os.getppid())  # torchrun's agent; a local worker watches its launcher already
     init_distributed()
     try:
         result = train(config, resume=resume, stop_after=stop_after, progress=Progress)
@@ -151,14 +165,25 @@ def worker(config, resume: bool, stop_after: int | None, local: bool = False) ->
         if not lost_peer(err):
             raise  # a bug of hybridpar: its traceback is wanted
         _leave_quietly()
-    shutdown_distributed()
     if local and result.get("signal"):
-        import os
-        import sys
-
-        sys.stdout.flush()
-        os._exit(128 + result["signal"])
+        _exit_stopped(128 + result["signal"])
+    shutdown_distributed()
     return result
+
+
+def _exit_stopped(code: int) -> None:
+    """End a local worker stopped by a signal once every rank has its checkpoint, at once: the agent that passed
+    the signal on no longer reads what workers return, and waits for them (a process group's teardown can stall
+    on a loaded machine)."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _leave_quietly() -> None:

@@ -49,6 +49,7 @@ class SampleFormat:
 
 COSMOFLOW = SampleFormat("full", "unitPar", "vector", "channels_last", "log1p")
 SEGMENTATION = SampleFormat("image", "label", "volume", "auto", "none")
+TASKS = {"cosmoflow": (COSMOFLOW, "cosmoflow"), "segmentation": (SEGMENTATION, "unet3d")}  # data.format: its model
 
 
 class CountingFile(io.FileIO):
@@ -107,6 +108,20 @@ def _dataset(f: h5py.File, name: str, path: Path, index: int) -> h5py.Dataset:
     return ds
 
 
+def _check_task(f: h5py.File, fmt: SampleFormat, path: Path, index: int) -> None:
+    """Refuse a file of another task's data (the 3D U-Net's volumes and labels read as CosmoFlow universes, or
+    the reverse), naming the datasets found, those expected and the config keys that choose them."""
+    found = set(f.keys())
+    if {fmt.input, fmt.target} <= found:
+        return
+    for task, (other, model) in TASKS.items():
+        if other.target_kind != fmt.target_kind and {other.input, other.target} <= found:
+            raise DataError(f"{path} (sample file {index}): holds {task} data (datasets {other.input!r} and "
+                            f"{other.target!r}), not the datasets {fmt.input!r} and {fmt.target!r} this run reads; "
+                            f"train on it with data.format = \"{task}\" and model.name = \"{model}\", or point "
+                            "data.train / data.val at files of this run's task")
+
+
 def _check_inside(ds: h5py.Dataset, path: Path, index: int) -> None:
     """Refuse a dataset whose stored bytes run past the end of the file (a truncated copy)."""
     size = path.stat().st_size
@@ -149,6 +164,8 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
     with f:
         try:
             return _checked(f, fmt, path, index)
+        except DataError:
+            raise
         except (KeyError, RuntimeError, OSError, ValueError) as err:  # HDF5 on damaged metadata, a dangling link
             raise DataError(f"{path} (sample file {index}): damaged HDF5 file ({err}). Copy or generate the file "
                             "again") from None
@@ -156,6 +173,7 @@ def inspect_file(path: Path, fmt: SampleFormat, index: int) -> FileInfo:
 
 def _checked(f: h5py.File, fmt: SampleFormat, path: Path, index: int) -> FileInfo:
     """The checks of ``inspect_file`` on the open file ``f``."""
+    _check_task(f, fmt, path, index)
     x = _dataset(f, fmt.input, path, index)
     y = _dataset(f, fmt.target, path, index)
     layout = _layout(x, fmt, path, index)

@@ -17,14 +17,20 @@ from hybridpar.errors import ConfigError
 from hybridpar.geometry import Grid
 
 
-def steps_per_epoch(num_samples: int, batch_size: int, dp: int) -> int:
-    """Whole batches in one pass over ``num_samples``: each of the ``dp`` replicas takes ``num_samples // dp``
-    samples (``DistributedSampler`` with ``drop_last``) in batches of ``batch_size // dp``."""
-    steps = (num_samples // dp) // (batch_size // dp)
-    if steps == 0:
+def check_batch_size(num_samples: int, batch_size: int) -> None:
+    """Refuse a global batch larger than the training set: each step's batch is a run of one shuffled order of
+    the samples, each sample at most once."""
+    if batch_size > num_samples:
         raise ConfigError(f"train.batch_size = {batch_size}: the training set has only {num_samples} samples; "
                           f"use a batch of at most {num_samples} or more samples")
-    return steps
+
+
+def steps_per_epoch(num_samples: int, batch_size: int, dp: int) -> int:
+    """Whole batches in one pass over ``num_samples``: each of the ``dp`` replicas takes ``num_samples // dp``
+    samples (``DistributedSampler`` with ``drop_last``) in batches of ``batch_size // dp`` (at least one, for a
+    batch of at most ``num_samples`` that ``dp`` divides)."""
+    check_batch_size(num_samples, batch_size)
+    return (num_samples // dp) // (batch_size // dp)
 
 
 class SlabLoader:

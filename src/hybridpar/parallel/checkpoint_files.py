@@ -121,8 +121,15 @@ def write_manifest(path: Path) -> None:
 
 def verify(path: Path) -> str | None:
     """What is wrong with the checkpoint folder ``path`` (a missing, short or changed file), or ``None`` if every
-    file matches its manifest; the same answer on every rank (collective)."""
+    file matches its manifest; the same answer on every rank (collective). A process outside any process group
+    (the command, before its workers start) checks every file itself."""
     path = Path(path)
+    if not dist.is_initialized():
+        manifest = _read_manifest(path)
+        if isinstance(manifest, str):
+            return manifest
+        return next(filter(None, (_file_problem(path / name, entry) for name, entry in sorted(manifest.items()))),
+                    None)
     manifest = _broadcast(_read_manifest(path) if dist.get_rank() == 0 else None)
     if isinstance(manifest, str):
         problems = [manifest]

@@ -19,6 +19,9 @@ KINDS = ("matmul", "conv")  # compute kinds with their own efficiency; pointwise
 
 GiB = 2**30
 GB = 1e9
+# devices of one cluster: about ten times the largest machines built (some 10^5 GPUs); more is a mistake in a file
+# or a flag (and would take the search past any sane time)
+MAX_DEVICES = 2**20
 TFLOPS = 1e12
 US = 1e-6
 
@@ -141,6 +144,10 @@ class ClusterSpec:
             raise ClusterError(f"ClusterSpec.name = {self.name!r}: give a non-empty name, e.g. 'a100-80'")
         for field in ("num_nodes", "devices_per_node"):
             check_count(f"{owner}: {field}", getattr(self, field))
+        if self.num_devices > MAX_DEVICES:
+            raise ClusterError(f"{owner}: {self.num_nodes:,} nodes of {self.devices_per_node:,} devices make "
+                               f"{self.num_devices:,} devices, more than {MAX_DEVICES:,} (ten times the largest "
+                               "machines built); give the nodes and devices_per_node of the cluster you mean")
         for field in ("device_memory", "memory_bandwidth"):
             check_positive(f"{owner}: {field}", getattr(self, field))
         self._check_reserved(owner)
@@ -223,6 +230,11 @@ class ClusterSpec:
             raise ClusterError(f"compute kind {kind!r} is unknown; use {', '.join(KINDS)}")
         return self.peak_flops[dtype] * self.efficiency[kind]
 
+    def check_dtype(self, dtype: str) -> None:
+        """Refuse a dtype this cluster has no peak FLOP/s for: what pricing a model in it would find out, after
+        the model's analysis."""
+        self.flops(dtype, KINDS[0])
+
     def conv_flops(self, dtype: str, in_channels: int, out_channels: int, positions: float,
                    work: int = 0) -> tuple[float, float, float]:
         """Achievable FLOP/s of a conv's forward, input gradient and weight gradient: the measured
@@ -258,8 +270,7 @@ class ClusterSpec:
     def with_devices(self, n: int) -> ClusterSpec:
         """The same hardware with ``n`` devices in all: one node of ``n`` or ``n / devices_per_node`` full nodes."""
         per_node = self.devices_per_node
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ClusterError(f"{n!r} devices: give a whole number >= 1")
+        check_devices(n)
         if n <= per_node:
             return replace(self, num_nodes=1, devices_per_node=n)
         if n % per_node:
@@ -276,6 +287,15 @@ class ClusterSpec:
             raise ClusterError(f"a group of {num_devices_in_group} devices cannot stay inside one "
                                f"{self.devices_per_node}-device {self.name} node; pass spans_nodes=True")
         return self.inter_node if spans_nodes else self.intra_node
+
+
+def check_devices(n: int) -> None:
+    """Refuse a device count that is not a whole number in ``[1, MAX_DEVICES]``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ClusterError(f"{n!r} devices: give a whole number >= 1")
+    if n > MAX_DEVICES:
+        raise ClusterError(f"{n:,} devices: more than {MAX_DEVICES:,} (ten times the largest machines built); give "
+                           "the number of devices you mean")
 
 
 def _one_node(name: str, memory_gib: float, hbm_gbs: float, tflops: dict, link_gbs: float, nic_gbs: float,

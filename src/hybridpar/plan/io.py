@@ -12,7 +12,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from hybridpar.errors import ClusterError
-from hybridpar.plan.cluster import KINDS, PRESETS, ClusterSpec, GiB, Link
+from hybridpar.plan.cluster import KINDS, MAX_DEVICES, PRESETS, ClusterSpec, GiB, Link
 from hybridpar.plan.mixed import MixedCluster
 from hybridpar.plan.rates import DTYPES, ConvRate, OpRate
 
@@ -87,10 +87,19 @@ def _mixed(table: dict, base: Path) -> MixedCluster:
         if not isinstance(entry, dict):
             raise ClusterError(f"group[{i}] = {_show(entry)}: expected a [[group]] table of cluster and nodes")
         _check_keys(entry, ("cluster", "nodes"), f"group[{i}].", "a [[group]]")
-        name = _value(entry, "cluster", f"group[{i}].", "str")
+        name = _group_cluster(entry, f"group[{i}].")
         spec = load_cluster(name if name in PRESETS else base / name, mixed=False)
         groups.append(replace(spec, num_nodes=_value(entry, "nodes", f"group[{i}].", "int")))
     return MixedCluster(_value(table, "name", "", "str"), tuple(groups))
+
+
+def _group_cluster(entry: dict, prefix: str) -> str:
+    """A ``[[group]]``'s ``cluster``: a preset name or the path of a cluster TOML file."""
+    value = entry.get("cluster", "")
+    if "cluster" in entry and not (isinstance(value, str) and value):
+        raise ClusterError(f"{prefix}cluster = {_show(value)}: give a preset name ({', '.join(PRESETS)}) or the path "
+                           'of a cluster TOML file, as a string, e.g. cluster = "a100-80"')
+    return _value(entry, "cluster", prefix, "str")
 
 
 def cluster_to_toml(spec: ClusterSpec, comment: str = "") -> str:
@@ -222,6 +231,9 @@ def _value(table: dict, key: str, prefix: str, unit: str, required: bool = True)
     if unit == "int":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ClusterError(f"{full} = {_show(value)}: expected a whole number >= 1")
+        if key in ("nodes", "devices_per_node") and value > MAX_DEVICES:
+            raise ClusterError(f"{full} = {value}: more than {MAX_DEVICES:,} devices (ten times the largest machines "
+                               f"built); give the {key} of the cluster you mean")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, Decimal)):
         raise ClusterError(f"{full} = {_show(value)}: expected a number ({_describe(unit)})")

@@ -18,7 +18,7 @@ from hybridpar.errors import ClusterError, PlanError
 from hybridpar.ir.rules import check_grid
 from hybridpar.ir.types import Plan
 from hybridpar.plan import sizing
-from hybridpar.plan.cluster import ClusterSpec
+from hybridpar.plan.cluster import MAX_DEVICES, ClusterSpec, check_devices
 from hybridpar.plan.validate import validate
 
 
@@ -38,6 +38,10 @@ class MixedCluster:
         if len(per_node) > 1:
             raise ClusterError(f"mixed cluster {self.name!r}: its groups have {sorted(per_node)} devices per node; "
                                "give groups whose nodes have the same number of devices")
+        if self.num_devices > MAX_DEVICES:
+            raise ClusterError(f"mixed cluster {self.name!r}: its groups make {self.num_devices:,} devices, more than "
+                               f"{MAX_DEVICES:,} (ten times the largest machines built); give the nodes of the "
+                               "cluster you mean")
 
     @property
     def num_devices(self) -> int:
@@ -52,7 +56,8 @@ class MixedCluster:
         nodes = [g.num_nodes for g in self.groups]
         total, per_node = sum(nodes), self.groups[0].devices_per_node
         smallest = total // math.gcd(*nodes) * per_node  # the fewest devices that keep the proportions
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n % smallest:
+        check_devices(n)
+        if n % smallest:
             raise ClusterError(f"{n!r} devices: the mixed cluster {self.name!r} ({self.describe()}) keeps its "
                                f"proportions on multiples of {smallest} devices; use one of those")
         return replace(self, groups=tuple(replace(g, num_nodes=g.num_nodes * n // self.num_devices)
@@ -60,6 +65,10 @@ class MixedCluster:
 
     def describe(self) -> str:
         return " + ".join(f"{g.num_nodes} x {g.devices_per_node} {g.name}" for g in self.groups)
+
+    def check_dtype(self, dtype: str) -> None:
+        """Refuse a dtype some kind of device has no peak FLOP/s for (before a model is analysed to be priced)."""
+        self.reference(dtype)
 
     def group_of_rank(self, rank: int) -> int:
         first = 0

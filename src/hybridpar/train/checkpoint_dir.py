@@ -166,6 +166,19 @@ def load(path: Path, parallel, optimizer) -> int:
     return load_state(path, sharded.state_dict(parallel, optimizer))
 
 
+def finished_step(directory: Path, total_steps: int) -> int | None:
+    """The step of the newest intact checkpoint of ``directory`` at ``total_steps`` or past it: a run with nothing
+    left to train; ``None`` where the newest intact one comes before (or there is none). Only the checkpoints at
+    or past ``total_steps`` are checked against their manifests (a damaged one, or one without a manifest, is
+    passed over: the run resumes and ``newest_intact`` names it); collective in a process group."""
+    for step, path in reversed(checkpoints(directory)):
+        if step < total_steps:
+            return None
+        if files.verify(path) is None:
+            return step
+    return None
+
+
 def newest_intact(directory: Path) -> Path:
     """The newest finished checkpoint of ``directory`` whose files match its manifest (collective). A damaged one
     (a file missing, short or changed since it was written) is passed over with a warning naming it."""

@@ -79,6 +79,9 @@ class TrainConfig:
     slow_factor: float = 1.5
     slow_window: int = 5
     rebalance: bool = False
+    # hang detection (hybridpar.train.watchdog): a phase of the loop (a step, a checkpoint, ...) that takes this many
+    # times its slowest recent run (and 10 s at least) is a hang: the attempt ends, to be restarted; 0: off
+    hang_factor: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,9 @@ def _check_value(key: str, value) -> None:
         raise ConfigError(f"{key} = {value!r}: must not be negative")
     if key in GREATER_THAN_ZERO and not value > 0:
         raise ConfigError(f"{key} = {value!r}: must be greater than 0")
+    if key == "train.hang_factor" and value != 0 and not value >= 2:
+        raise ConfigError(f"{key} = {value!r}: give 0 (no hang detection) or a factor of at least 2 (a phase of the "
+                          "loop that many times slower than its slowest recent run is a hang), e.g. 10")
     if key == "train.slow_factor" and not value > 1:
         raise ConfigError(f"{key} = {value!r}: must be greater than 1 (a rank that many times slower than its "
                           "peers is reported), e.g. 1.5")
@@ -212,6 +218,11 @@ def _section(cls, table: dict, prefix: str):
 
 
 def _section_value(raw, tp, key: str):
+    if key == "cluster" and not isinstance(raw, str):
+        from hybridpar.plan.cluster import PRESETS
+
+        raise ConfigError(f"cluster = {raw!r}: expected str: a preset name ({', '.join(PRESETS)}) or the path of a "
+                          'cluster TOML file, e.g. cluster = "a100-80"')
     value = _convert(raw, tp, key)
     _check_value(key, value)
     return value

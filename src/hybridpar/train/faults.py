@@ -5,6 +5,9 @@
   the update, as a crashed node would;
 - ``nan``: the rank's loss of step ``STEP`` becomes NaN;
 - ``inf``: one of the rank's weights becomes infinite after the update of step ``STEP`` (silent corruption);
+- ``stall``: the rank stops sending during step ``STEP``, after its backward pass, and never goes on, while its
+  process stays alive (a link that drops its packets without a reset; its heartbeat goes on:
+  ``hybridpar.train.watchdog``);
 - ``slow``: from step ``STEP`` on, the rank computes at about half speed (a throttled device, a noisy
   neighbour): its forward keeps the CPU busy as long again as it computed, its backward twice that;
   ``slow:RANK@STEPxF`` makes it ``F`` times slower.
@@ -29,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from hybridpar.errors import ConfigError
 
 ENV = "HYBRIDPAR_FAULTS"
-KINDS = ("kill", "nan", "inf", "slow")
+KINDS = ("kill", "nan", "inf", "slow", "stall")
 _ENTRY = re.compile(r"^(\w+):(\d+)@(\d+)(?:x(\d+))?$")
 
 
@@ -76,10 +79,12 @@ def _due(step: int) -> str | None:
 
 
 def after_backward(step: int, loss: torch.Tensor) -> torch.Tensor:
-    """This rank's loss of step ``step``, after a ``kill`` or ``nan`` fault planned for it."""
+    """This rank's loss of step ``step``, after a ``kill``, ``stall`` or ``nan`` fault planned for it."""
     kind = _due(step)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    while kind == "stall":
+        time.sleep(1)
     return loss * float("nan") if kind == "nan" else loss
 
 

@@ -150,11 +150,27 @@ def rescaled(plan: Plan, world_size: int, where: str) -> Plan:
 
 
 def _cluster(config: Config, world_size: int):
-    """The config's cluster spec scaled to ``world_size`` devices."""
+    """The config's cluster spec scaled to ``world_size`` devices, checked to price ``train.dtype``."""
     try:
-        return cluster_of(config.cluster).with_devices(world_size)
+        spec = cluster_of(config.cluster).with_devices(world_size)
+        spec.check_dtype(config.train.dtype)
     except ClusterError as err:
         raise ClusterError(f"cluster: {err}") from None
+    return spec
+
+
+def check_world_size(config: Config, world_size: int, rescale: bool = False) -> None:
+    """What the config, its plan file and its cluster tell of a run on ``world_size`` processes, checked before
+    the model is analysed: ``[mesh]``'s degrees or the plan file's make ``world_size`` (with ``rescale``: can be
+    re-planned for it, ``rescaled``), and the cluster has ``world_size`` devices that price ``train.dtype``."""
+    if config.cluster:
+        _cluster(config, world_size)
+    if config.plan == "auto":
+        return
+    if config.plan:
+        _plan_file(config, world_size, rescale)
+    else:
+        mesh_plan(config, (), world_size, rescale)
 
 
 def _search(config: Config, graph: ModelGraph, world_size: int) -> Plan:
@@ -181,6 +197,27 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int, rescale: bool
     """The plan file checked against the world size, the config and the model; priced on
     ``config.cluster`` if given (else it keeps the prediction it was written with)."""
     where = config.plan
+    plan, stated = _plan_file(config, world_size, rescale)
+    plan = _for_config(plan, stated, config, graph, where)
+    if not config.cluster:
+        try:
+            check_grid(graph, plan.grid)
+        except PlanError as err:
+            raise PlanError(f"{where}: spatial = {list(plan.spatial)}: {err}") from None
+        return plan
+    from hybridpar.plan import validate
+
+    spec = _cluster(config, world_size)
+    try:
+        return replace(validate(plan, graph, spec), cluster=spec.name)
+    except PlanError as err:
+        raise PlanError(f"{where} on {world_size} x {spec.name} (cluster = {config.cluster!r}): {err}") from None
+
+
+def _plan_file(config: Config, world_size: int, rescale: bool = False) -> tuple[Plan, set[str]]:
+    """The plan file and the keys it states, checked against what needs no model: its degrees, the model it was
+    made for and the world size (``rescale``: re-planned for ``world_size``)."""
+    where = config.plan
     plan, stated = read_plan_file(where)
     try:
         _ = plan.dims  # each degree a whole number >= 1
@@ -197,20 +234,7 @@ def _from_file(config: Config, graph: ModelGraph, world_size: int, rescale: bool
         raise PlanError(f"{where}: the plan ({plan.describe()}) needs {plan.world_size} processes, but the world "
                         f"size is {world_size}; run it on {plan.world_size} (--nproc {plan.world_size}, or torchrun "
                         f"with that many), or plan again for {world_size} devices")
-    plan = _for_config(plan, stated, config, graph, where)
-    if not config.cluster:
-        try:
-            check_grid(graph, plan.grid)
-        except PlanError as err:
-            raise PlanError(f"{where}: spatial = {list(plan.spatial)}: {err}") from None
-        return plan
-    from hybridpar.plan import validate
-
-    spec = _cluster(config, world_size)
-    try:
-        return replace(validate(plan, graph, spec), cluster=spec.name)
-    except PlanError as err:
-        raise PlanError(f"{where} on {world_size} x {spec.name} (cluster = {config.cluster!r}): {err}") from None
+    return plan, stated
 
 
 def _model_family(name: str) -> str:

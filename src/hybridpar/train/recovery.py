@@ -32,17 +32,25 @@ def lost_peer(err: BaseException) -> bool:
     return isinstance(err, dist.DistError) or any(text in str(err) for text in _LOST_PEER)
 
 
-def describe(failures: dict, run_dir: Path, note: str = "") -> str:
+def describe(failures: dict, run_dir: Path, note: str = "", hang: str | None = None) -> str:
     """``rank 3 died in step 102 (signal 9, SIGKILL); last checkpoint: step 100`` for the elastic agent's
-    ``failures`` (by global rank): a rank ended by a signal first, else the first that failed."""
+    ``failures`` (by global rank): a rank ended by a signal first, else the first that failed; where a watchdog
+    ended the attempt, ``hung: `` and what it told (``hang``)."""
+    if hang:
+        return f"hung: {hang}{note}; {last_checkpoint(run_dir, 'no checkpoint yet')}"
     signalled = {rank: f for rank, f in failures.items() if f.exitcode < 0}
     rank, failure = min((signalled or failures).items(), key=lambda item: (item[1].timestamp, item[0]))
     how = (f"signal {-failure.exitcode}, {failure.signal_name()}" if failure.exitcode < 0
            else f"exit code {failure.exitcode}")
     step = last_step(run_dir / "metrics.jsonl")
+    return f"rank {rank} died{f' in step {step + 1}' if step is not None else ''} ({how}){note}; " \
+        f"{last_checkpoint(run_dir, 'no checkpoint yet')}"
+
+
+def last_checkpoint(run_dir: Path, none: str = "no checkpoint was written") -> str:
+    """``last checkpoint: step 100``, from the run directory's finished checkpoints (``none`` without one)."""
     found = checkpoint_dir.checkpoints(run_dir / "checkpoints")
-    last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint yet"
-    return f"rank {rank} died{f' in step {step + 1}' if step is not None else ''} ({how}){note}; {last}"
+    return f"last checkpoint: step {found[-1][0]}" if found else none
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -10,6 +10,7 @@ batch ``s``, so a run resumed from a checkpoint, under this plan or another, rep
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from hybridpar.errors import ConfigError, TrainingError
 from hybridpar.plan import Plan
 from hybridpar.plan.cost import optimizer_state_bytes
-from hybridpar.train import balance, checkpoint_dir, faults, finite, pace, planning, recovery
+from hybridpar.train import balance, checkpoint_dir, faults, finite, pace, planning, recovery, watchdog
 from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
 from hybridpar.train.config import Config
 from hybridpar.train.metrics import MetricsLog, check_tensorboard
@@ -145,6 +146,12 @@ class _Loop:
     shown: object
     summary: dict
     balancer: balance.Balancer
+    watchdog: watchdog.Watchdog | None = None
+
+    def phase(self, kind: str, step: int, expected: float | None = None) -> None:
+        """A phase of the loop begins (``watchdog.Watchdog``: past its deadline it is a hang)."""
+        if self.watchdog is not None:
+            self.watchdog.phase(kind, step, expected)
 
 
 def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, object]:
@@ -153,6 +160,7 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     (``pace.Window``)."""
     config, log, shown, summary = run.config, out.log, out.shown, out.summary
     stop = summary["steps"]
+    out.phase("step", step + 1)
     run.pace.begin()
     loss, lr, updated, signal, timed = train_step(run, step, x, y, signal)
     done = step + 1
@@ -167,12 +175,15 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     summary["loss"] = loss
     # the checkpoint first: a validation file that fails to read then loses no training
     if run.cadence.due(done, stop, run.total_steps, timed) or signal:
+        out.phase("checkpoint", done, run.cadence.save_time)
         _save(run, done, summary)
     if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps) \
             and not signal:
+        out.phase("validation", done)
         summary["val"] = run.task.validate()
         log.log({"step": done, "split": "val", **summary["val"]})
         shown.validated(done, summary["val"])
+    out.phase("batch", done)  # the next batch's reading (an agreement over every rank where it comes from files)
     return signal, window
 
 
@@ -208,6 +219,7 @@ def _train_until(run: Run, start: int, stop: int, stopping, out: _Loop):
         if window is not None and step + 1 < stop and out.balancer.wants(window):
             decided = out.balancer.decide(run.plan, run.pace.speeds, window, run.task.analysed)
             if isinstance(decided, balance.Replan):
+                out.phase("re-plan", step + 1)
                 return step + 1, 0, decided
             if dist.get_rank() == 0:
                 logger.warning(decided)
@@ -237,12 +249,26 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
     return new
 
 
+@contextlib.contextmanager
+def _watched(config: Config, out: _Loop):
+    """The loop under this rank's watchdog (``watchdog.for_this_rank``), from its first batch's reading on."""
+    out.watchdog = watchdog.for_this_rank(config)
+    if out.watchdog is None:
+        yield
+        return
+    out.phase("batch", 0)
+    try:
+        yield
+    finally:
+        out.watchdog.close()
+
+
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
-    """The step count of a run that has nothing left to train: resumed from a checkpoint at ``total_steps``."""
+    """The step count of a run that has nothing left to train: resumed where an intact checkpoint (its files match
+    its manifest) is at ``total_steps`` or past it (``checkpoint_dir.finished_step``)."""
     if resume_from is None:
         return None
-    step = checkpoint_dir.checkpoints(resume_from.parent)[-1][0]
-    return step if step >= total_steps else None
+    return checkpoint_dir.finished_step(resume_from.parent, total_steps)
 
 
 def _batches(run: Run, start: int, stop: int):
@@ -322,7 +348,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     out = _Loop(log, MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=False,
                                 resume_step=resume_step, name="pace.jsonl"), shown, summary,
                 balance.Balancer(config.train.rebalance))
-    with shown, recovery.Stopping() as stopping:
+    with shown, recovery.Stopping() as stopping, _watched(config, out):
         step = start
         while step < stop:
             step, signal, replan = _train_until(run, step, stop, stopping, out)

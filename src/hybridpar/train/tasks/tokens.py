@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from hybridpar.data.tokens import MarkovTokens
+from hybridpar.errors import ConfigError
+from hybridpar.host import available_memory, gib
 from hybridpar.ir.analysis import DTYPES
 from hybridpar.models.gpt import lm_loss
 from hybridpar.parallel.apply import parallelize
@@ -23,6 +25,19 @@ def build_model(config: Config) -> torch.nn.Module:
     return model_factory("gpt")(**model_options(config.model))
 
 
+def check_batch_memory(batch_size: int, seq_len: int) -> None:
+    """Refuse a global batch whose token ids do not fit in this machine's memory: every rank draws the whole
+    batch (``MarkovTokens.batch``: ``seq_len + 1`` tokens and ``seq_len`` choices per sample, int64) before it
+    takes its replica's rows."""
+    per_sample = (2 * seq_len + 1) * 8
+    available = available_memory()
+    if batch_size * per_sample > available:
+        raise ConfigError(f"train.batch_size = {batch_size}: one global batch of token ids takes "
+                          f"{gib(batch_size * per_sample)} (every rank draws it whole, {per_sample} bytes per sample "
+                          f"at model.seq_len = {seq_len}), more than the {gib(available)} this machine has "
+                          f"available; use a batch of at most {available // per_sample}")
+
+
 class Tokens:
     has_validation = True
     reads_files = False  # the stream is computed, the same on every rank
@@ -31,8 +46,10 @@ class Tokens:
         self.config = config
 
     def check(self, world_size: int, rescale: bool = False) -> Plan:
+        planning.check_world_size(self.config, world_size, rescale)  # what the config tells, before the analysis
         with torch.device("meta"):
             model = build_model(self.config)
+        check_batch_memory(self.config.train.batch_size, model.config.seq_len)
         example = torch.zeros(self.config.train.batch_size, model.config.seq_len, dtype=torch.long, device="meta")
         self.total_steps = self.config.train.steps
         self.analysed = planning.analysed(self.config, model, example)  # once: the plan, the run and a

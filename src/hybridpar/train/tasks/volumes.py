@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hybridpar import spatial
 from hybridpar.data import COSMOFLOW, SEGMENTATION, SampleFormat, SlabDataset, SlabLoader, eval_batches, list_files
-from hybridpar.data.loader import steps_per_epoch
+from hybridpar.data.loader import check_batch_size, steps_per_epoch
 from hybridpar.errors import ConfigError
 from hybridpar.geometry import Grid
 from hybridpar.ir.analysis import DTYPES
@@ -112,7 +112,9 @@ class Volumes:
 
     def check(self, world_size: int, rescale: bool = False) -> Plan:
         config, dtype = self.config, DTYPES[self.config.train.dtype]
+        planning.check_world_size(config, world_size, rescale)  # what the files tell, before the model's analysis
         self.train_set, self.val_set = datasets(config, dtype)
+        check_batch_size(len(self.train_set), config.train.batch_size)
         self.loss_name = config.train.loss or DEFAULT_LOSS[config.model.name]
         _check_loss(config, self.loss_name)
         with torch.device("meta"):
