@@ -195,3 +195,39 @@ def test_a_checkpoint_that_cannot_be_written_is_an_error_on_every_rank(dist2, tm
     assert errors[0] == errors[1] and errors[0].startswith("cannot write the checkpoint of step 4: "), errors
     assert "the checkpoints before it are intact" in errors[0]
     assert checkpoint_dir.checkpoints(tmp_path / "checkpoints") == [(2, tmp_path / "checkpoints" / "step_00000002")]
+
+
+def save_in_background(directory: str, steps: tuple[int, ...], blocked_at: int | None = None) -> dict:
+    """Checkpoints of ``steps`` written in the background (``checkpoint_dir.Saver``), the state changed as soon as
+    each save returns (training goes on); the folders and the step each read back as (or the error)."""
+    saver = checkpoint_dir.Saver()
+    finished = []
+    try:
+        for step in steps:
+            state = state_of(step)
+            if step == blocked_at and dist.get_rank() == 0:
+                (Path(directory) / f"step_{step:08d}.partial").write_text("a file where DCP makes its folder")
+            saver.save(Path(directory), step, state, keep=len(steps))
+            saver.staged()  # the copy in memory done: what may change the state (the next update) may run
+            for tensor in state["model"].values():
+                tensor.add_(1000)  # the next step's update, while the save is written
+            finished.append(saver.wait())
+    except CheckpointError as err:
+        return {"error": str(err)}
+    return {"finished": [p.name for p in finished], "resumed": resume_from(directory)}
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_of_its_step(dist2, tmp_path):
+    """The state is copied in memory (``staged``) before anything may change it: what the next update changes is
+    not in the checkpoint; each rank's files, the manifest and the rename come after, and a resume reads the
+    newest bit for bit."""
+    results = dist2.run(save_in_background, directory=str(tmp_path), steps=(2, 4))
+    assert [r["finished"] for r in results] == [["step_00000002", "step_00000004"]] * 2
+    assert [r["resumed"] for r in results] == [{"step": 4, "equal": True, "warnings": []}] * 2
+    assert files.verify(tmp_path / "step_00000004") is None and not list(tmp_path.glob("*.partial"))
+
+
+def test_a_checkpoint_that_cannot_be_written_in_the_background_is_an_error_on_every_rank(dist2, tmp_path):
+    results = dist2.run(save_in_background, directory=str(tmp_path), steps=(2, 4), blocked_at=4)
+    assert results[0] == results[1] and results[0]["error"].startswith("cannot write the checkpoint of step 4: ")
+    assert checkpoint_dir.checkpoints(tmp_path) == [(2, tmp_path / "step_00000002")]

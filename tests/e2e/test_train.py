@@ -20,6 +20,7 @@ from hybridpar.train import checkpoint_dir, metrics
 from hybridpar.train.config import load
 from hybridpar.train.tasks.volumes import build_model, datasets
 from hybridpar.train.trainer import check
+from support.harness import limit
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # each test trains through the CLI in fresh workers
 
@@ -82,7 +83,7 @@ dtype = "float64"
 def hybridpar(*args, check=True, env: dict | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "hybridpar", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=limit(timeout))
     if check and proc.returncode != 0:
         raise AssertionError(f"hybridpar {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -6,6 +6,11 @@ test, so a test costs its own work, not a process-group start-up.
 rank fails the test with that rank's traceback; a rank that does not answer within the timeout
 (a hang) fails the test and the pool is restarted for the next one.
 
+A loaded machine (a CI runner, a second ``make test`` beside this one) runs everything slower: every limit of
+the suite is ``limit(seconds)``, the seconds times ``HYBRIDPAR_TEST_SLACK`` (default 1), and a run past its
+limit whose ranks still use CPU time is slow, not hung: it gets more time, up to ``SLOW_TIMES`` its limit. A hang
+is told with the machine's load.
+
 A rank imports ``fn`` by its module's name with the parent's ``sys.path``: ``tests`` (pyproject's ``pythonpath``)
 for ``support.*``, and each test folder, which pytest's default ``prepend`` import mode puts there, for a test
 module (``tests/distributed/test_tensor.py`` is ``test_tensor``: test file names are unique across folders).
@@ -21,9 +26,36 @@ import socket
 import sys
 import traceback
 
+SLACK = float(os.environ.get("HYBRIDPAR_TEST_SLACK", "1"))
 TASK_TIMEOUT = 60.0
 AFTER_ERROR_TIMEOUT = 10.0  # once one rank failed, the others get this long before the pool restarts
+SLOW_TIMES = 10  # a run still computing past its limit gets this many times it in all
 _MESHES: dict = {}
+
+
+def limit(seconds: float) -> float:
+    """A limit of the suite (a hang's timeout, a wait) on this machine: ``seconds`` times ``HYBRIDPAR_TEST_SLACK``."""
+    return seconds * SLACK
+
+
+def load() -> str:
+    """``load 12.1 8.0 4.2 on 2 cores``: what the machine was doing when a limit passed."""
+    ones, fives, fifteens = os.getloadavg()
+    return (f"load {ones:.1f} {fives:.1f} {fifteens:.1f} on {os.cpu_count()} cores; HYBRIDPAR_TEST_SLACK={SLACK:g} "
+            "(raise it on a loaded machine)")
+
+
+def cpu_seconds(pids) -> float:
+    """The CPU time processes ``pids`` used so far (those gone count 0)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 def _free_port() -> int:
@@ -93,8 +125,7 @@ class Pool:
         errors = []
         try:
             while len(out) + len(errors) < self.world_size:
-                wait = timeout if not errors else AFTER_ERROR_TIMEOUT
-                rank, ok, value = self.results.get(timeout=wait)
+                rank, ok, value = self._next(limit(timeout if not errors else AFTER_ERROR_TIMEOUT))
                 if ok:
                     out[rank] = value
                 else:
@@ -103,12 +134,26 @@ class Pool:
             self.close()
             raise AssertionError(
                 f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(out) - {r for r, _ in errors})} "
-                f"did not answer within {timeout:.0f}s (hang); errors so far: {errors}"
+                f"did not answer within {limit(timeout):.0f}s and used no CPU time over the last of it (hang; "
+                f"{load()}); errors so far: {errors}"
             ) from None
         if errors:
             rank, tb = min(errors)
             raise AssertionError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{tb}")
         return [out[r] for r in range(self.world_size)]
+
+    def _next(self, seconds: float):
+        """The next rank's answer within ``seconds``, or longer while the ranks compute (``SLOW_TIMES``); else
+        ``queue.Empty``."""
+        pids = [p.pid for p in self.procs]
+        for _ in range(SLOW_TIMES):
+            used = cpu_seconds(pids)
+            try:
+                return self.results.get(timeout=seconds)
+            except queue.Empty:
+                if cpu_seconds(pids) - used < 0.01 * seconds:  # the ranks wait for something that does not come
+                    raise
+        raise queue.Empty
 
     def close(self) -> None:
         for q in getattr(self, "tasks", []):

@@ -21,6 +21,7 @@ from hybridpar.calibrate.settings import FAST_CONV_MIN, Settings
 from hybridpar.calibrate.timing import Clock
 from hybridpar.errors import HybridparError
 from hybridpar.plan.io import cluster_from_toml, cluster_to_toml
+from support.harness import limit
 
 CPU2 = Measured(2, "cpu", "gloo", cores=2)
 H100 = Measured(4, "cuda", "nccl", "NVIDIA H100 80GB HBM3")
@@ -126,7 +127,7 @@ print(json.dumps(out))
 
 
 def _one_worker(env: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", _ONE_WORKER], capture_output=True, text=True, timeout=240,
+    out = subprocess.run([sys.executable, "-c", _ONE_WORKER], capture_output=True, text=True, timeout=limit(240),
                          env=os.environ | env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])

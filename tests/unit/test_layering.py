@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import hybridpar
+from support.harness import limit
 
 SRC = Path(hybridpar.__file__).parent
 RUNTIME = ("hybridpar.mesh", "hybridpar.launch", "hybridpar.spatial", "hybridpar.parallel")
@@ -42,7 +43,7 @@ NOT_LOADED = {
 
 def _loaded(module: str) -> list[str]:
     code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit(120), check=True)
     return json.loads(out.stdout)
 
 

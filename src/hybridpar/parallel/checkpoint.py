@@ -12,11 +12,14 @@ new optimizer's; its state (Adam's moments and step) is the checkpoint's.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.errors import CheckpointError
@@ -47,6 +50,39 @@ def write(state: dict, path: Path) -> None:
     files.write_manifest(path)
 
 
+def stager() -> DefaultStager:
+    """What copies a state into memory to be written in the background, in a thread of its own: into the same
+    buffers each time (the pages of a fresh copy cost as much as the copy), pinned where there is a GPU."""
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=False))
+
+
+def write_in_background(state: dict, path: Path, group, staging: DefaultStager, then=None) -> tuple[Future, Future]:
+    """Stage ``state`` with ``staging`` (``stager()``: copied in memory, in the background; the copy of the save
+    before is overwritten, so that one must be finished) and write it with DCP to the folder ``path``, then its
+    manifest, then ``then()``, in the background; their collectives run on ``group``, a process group of every
+    rank that training's collectives do not use. Returns two futures: the copy's, until which no tensor of
+    ``state`` may change, and the whole save's, whose result is ``then()``'s (its exception DCP's
+    ``CheckpointException``, or a ``CheckpointError``, where the state could not be written: the same on every
+    rank)."""
+    response = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=staging)
+    written = response.upload_completion
+    done: Future = Future()
+
+    def manifest(_) -> None:
+        try:
+            written.result()
+            files.write_manifest(path, group)
+            result = then() if then is not None else None
+        except BaseException as err:  # noqa: BLE001 - the caller's to raise, on its thread (DCP's is a BaseException)
+            done.set_exception(err)
+        else:
+            done.set_result(result)
+
+    written.add_done_callback(lambda f: threading.Thread(target=manifest, args=(f,), daemon=True).start())
+    return response.staging_completion, done
+
+
 def read(state: dict, path: Path) -> None:
     """Read the checkpoint folder ``path`` into the tensors of ``state`` in place, its metadata unpickled with
     DCP's types only (collective)."""
@@ -54,16 +90,16 @@ def read(state: dict, path: Path) -> None:
     dcp.load(state, storage_reader=files.SafeReader(path))
 
 
-def state_dict(parallel: ParallelModel, optimizer: torch.optim.Optimizer) -> dict:
+def state_dict(parallel: ParallelModel, optimizer: torch.optim.Optimizer, buffers_copied: bool = False) -> dict:
     """``{"model": {name: tensor}, "optimizer": {name: {key: tensor}}}``: views of this rank's tensors (DCP
     writes from them and reads into them), by the original names, sharded ones as DTensors of their global
-    shape."""
+    shape; ``buffers_copied``: the buffers (batch norm's statistics, which a forward pass changes) as copies."""
     model, optim = {}, {}
     tp_mesh = parallel.mesh["tp"]
     for module in parallel.modules.values():
         for key, tensor, split, name in local_tensors(module):
             if not isinstance(tensor, nn.Parameter):
-                model[key] = tensor  # a buffer
+                model[key] = tensor.clone() if buffers_copied else tensor  # a buffer
                 continue
             placement = _conv_placement(split, name) if split else None
             model[key] = _view(tensor.detach(), placement, tp_mesh)

@@ -96,15 +96,16 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def write_manifest(path: Path) -> None:
+def write_manifest(path: Path, group=None) -> None:
     """Hash every file of the checkpoint folder ``path`` (in parallel over the ranks) and write ``manifest.json``
-    (rank 0; collective). Written last, after DCP's ``.metadata``."""
+    (rank 0; collective over ``group``, a group of every rank: by default the default one). Written last, after
+    DCP's ``.metadata``."""
     path = Path(path)
     names = _broadcast(sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
-                       if dist.get_rank() == 0 else None)
+                       if dist.get_rank() == 0 else None, group)
     mine = {name: _digest(path / name) for name in _my_share(names)}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     problem = None
     if dist.get_rank() == 0:
         files = {name: entry for part in everyone for name, entry in part.items()}
@@ -114,7 +115,7 @@ def write_manifest(path: Path) -> None:
             os.replace(temporary, path / MANIFEST)
         except OSError as err:  # a full disk: an error on every rank, not rank 0 alone
             problem = f"cannot write {temporary}: {err.strerror}"
-    problem = _broadcast(problem)
+    problem = _broadcast(problem, group)
     if problem:
         raise CheckpointError(problem)
 
@@ -175,8 +176,8 @@ def _my_share(items: list) -> list:
     return items[dist.get_rank()::dist.get_world_size()]
 
 
-def _broadcast(value):
+def _broadcast(value, group=None):
     """Rank 0's ``value`` on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -100,25 +101,105 @@ def due(done: int, every: int, stop: int, total: int) -> bool:
 def save(directory: Path, step: int, parallel, optimizer, *, keep: int) -> Path:
     """Write the checkpoint of ``step`` of a ``ParallelModel`` and its optimizer in global shapes (any plan
     and world size can resume from it; collective over all ranks)."""
-    return save_state(directory, step, sharded.state_dict(parallel, optimizer), keep=keep)
+    return save_state(directory, step, state_of(parallel, optimizer), keep=keep)
+
+
+def state_of(parallel, optimizer, buffers_copied: bool = False) -> dict:
+    """What a checkpoint of a ``ParallelModel`` and its optimizer holds: views of this rank's tensors (its buffers
+    copied, with ``buffers_copied``)."""
+    return sharded.state_dict(parallel, optimizer, buffers_copied)
 
 
 def save_state(directory: Path, step: int, state: dict, *, keep: int) -> Path:
     """Write ``state`` (what DCP writes: tensors, DTensors) as the checkpoint of ``step`` (collective over
     all ranks); keep the newest ``keep``. A file that cannot be written (a full disk, a path taken by a file)
     is a ``CheckpointError`` on every rank; the checkpoints before stay intact."""
+    final, partial = _folders(directory, step)
+    try:
+        sharded.write(state | {"progress": {"step": torch.tensor(step)}}, partial)
+    except CheckpointException as err:
+        raise CheckpointError(_cannot_write(step, _cause(err))) from None
+    _agreed_on_rank_0(step, lambda: _finish(directory, partial, final, keep))
+    return final
+
+
+class Saver:
+    """Checkpoints that do not stall training (``save``): the state is copied in memory in a thread while the next
+    step's forward and backward run (``staged`` waits for the copy before anything changes the state: the
+    update); DCP writes the copy, every rank hashes its share of the files into the manifest, and rank 0 renames
+    the folder finished, in the background, on a process group of their own (made here: collective). One save
+    at a time: the next save, a load and the run's end ``wait`` for the one before. A save that could not be
+    written is a ``CheckpointError`` there, on every rank; the checkpoints before it stay intact."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+        self.staging = sharded.stager()
+        self._pending: tuple[int, Future, float] | None = None  # step, its future, when it began
+        self._copying: Future | None = None
+        self.blocked_s = 0.0  # what the save in flight held its steps up so far
+        self.write_s: float | None = None  # the last save's time from its start to its rename
+
+    def save(self, directory: Path, step: int, state: dict, *, keep: int) -> None:
+        """Start the checkpoint of ``step`` holding ``state`` (what DCP writes: tensors, DTensors; ``state_of``
+        a model's, its buffers copied: a forward pass changes them; collective). No tensor of ``state`` may
+        change until ``staged``."""
+        self.wait()
+        begin = time.monotonic()
+        final, partial = _folders(directory, step)
+        state = state | {"progress": {"step": torch.tensor(step)}}
+        self._copying, future = sharded.write_in_background(
+            state, partial, self.group, self.staging,
+            then=lambda: _agreed_on_rank_0(step, lambda: _finish(directory, partial, final, keep), self.group) or final)
+        self._pending = (step, future, begin)
+        self.blocked_s = time.monotonic() - begin
+
+    def staged(self) -> float | None:
+        """Wait for the copy of the save in flight, if it is not done; returns the seconds that save held this rank
+        up in all (``None``: no copy was in flight)."""
+        if self._copying is None:
+            return None
+        begin = time.monotonic()
+        self._copying.result()
+        self._copying = None
+        self.blocked_s += time.monotonic() - begin
+        return self.blocked_s
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def written(self) -> bool:
+        """Whether the save in flight, if any, is finished (``wait`` would not wait)."""
+        return self._pending is None or self._pending[1].done()
+
+    def wait(self) -> Path | None:
+        """The folder of the save in flight once it is finished (``None``: none was); collective where one was."""
+        if self._pending is None:
+            return None
+        self.staged()
+        step, future, begin = self._pending
+        self._pending = None
+        try:
+            final = future.result()
+        except CheckpointException as err:  # raised by DCP on every rank, with each rank's cause
+            raise CheckpointError(_cannot_write(step, _cause(err))) from None
+        self.write_s = time.monotonic() - begin
+        return final
+
+
+def _folders(directory: Path, step: int) -> tuple[Path, Path]:
+    """The checkpoint of ``step``'s folder and the one it is written in (made empty: collective)."""
     final = directory / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
     _agreed_on_rank_0(step, lambda: (shutil.rmtree(partial, ignore_errors=True),
                                      directory.mkdir(parents=True, exist_ok=True)))
-    try:
-        sharded.write(state | {"progress": {"step": torch.tensor(step)}}, partial)
-    except CheckpointException as err:  # raised by DCP on every rank, with each rank's cause
-        causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]  # (exception, its stack)
-        cause = next((c for c in causes if isinstance(c, OSError)), causes[0] if causes else err)
-        raise CheckpointError(_cannot_write(step, cause)) from None
-    _agreed_on_rank_0(step, lambda: _finish(directory, partial, final, keep))
-    return final
+    return final, partial
+
+
+def _cause(err: CheckpointException) -> BaseException:
+    """The first rank's cause of DCP's failure, an ``OSError`` first (each failure is (exception, its stack))."""
+    causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+    return next((c for c in causes if isinstance(c, OSError)), causes[0] if causes else err)
 
 
 def _finish(directory: Path, partial: Path, final: Path, keep: int) -> None:
@@ -132,8 +213,9 @@ def _finish(directory: Path, partial: Path, final: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _agreed_on_rank_0(step: int, action) -> None:
-    """``action()`` on rank 0, its ``OSError`` a ``CheckpointError`` on every rank (collective: a barrier)."""
+def _agreed_on_rank_0(step: int, action, group=None) -> None:
+    """``action()`` on rank 0, its ``OSError`` a ``CheckpointError`` on every rank (collective over ``group``, by
+    default the default one: a barrier)."""
     problem = None
     if dist.get_rank() == 0:
         try:
@@ -141,7 +223,7 @@ def _agreed_on_rank_0(step: int, action) -> None:
         except OSError as err:
             problem = _cannot_write(step, err)
     box = [problem]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if box[0] is not None:
         raise CheckpointError(box[0])
 

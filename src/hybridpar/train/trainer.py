@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hybridpar.errors import ConfigError, TrainingError
+from hybridpar.errors import ConfigError, HybridparError, TrainingError
 from hybridpar.plan import Plan
 from hybridpar.plan.cost import optimizer_state_bytes
 from hybridpar.train import balance, checkpoint_dir, faults, finite, pace, planning, recovery, watchdog
@@ -97,11 +97,12 @@ def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | No
                          planning.layers_for(task.analysed[2], plan)), slowdown)
 
 
-def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
-               signal: int = 0) -> tuple[float, float, bool, int, bool]:
+def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor, signal: int = 0,
+               saver: checkpoint_dir.Saver | None = None) -> tuple[float, float, bool, int, bool]:
     """One optimizer step; returns the global batch's loss, the learning rate, whether the weights were
     updated (not with a NaN or infinite loss: ``train.finite``), the stop signal any rank received (0: none;
-    this rank's is ``signal``) and whether the automatic checkpoint interval has passed."""
+    this rank's is ``signal``) and whether the automatic checkpoint interval has passed. A checkpoint's copy
+    in flight (``saver``) is waited for before the update: what it held the step up goes to Young/Daly."""
     cfg = run.config
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
@@ -111,6 +112,9 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor,
     run.optimizer.zero_grad(set_to_none=True)
     loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
     updated, signal, timed = finite.update_allowed(cfg, step + 1, loss, signal, run.cadence.timed())
+    blocked = saver.staged() if saver is not None else None
+    if blocked is not None:
+        run.cadence.saved(blocked, run.parallel.device)
     if updated:
         run.optimizer.step()
         faults.after_update(step + 1, run.parallel.parameters())
@@ -146,6 +150,7 @@ class _Loop:
     shown: object
     summary: dict
     balancer: balance.Balancer
+    saver: checkpoint_dir.Saver
     watchdog: watchdog.Watchdog | None = None
 
     def phase(self, kind: str, step: int, expected: float | None = None) -> None:
@@ -162,7 +167,7 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     stop = summary["steps"]
     out.phase("step", step + 1)
     run.pace.begin()
-    loss, lr, updated, signal, timed = train_step(run, step, x, y, signal)
+    loss, lr, updated, signal, timed = train_step(run, step, x, y, signal, out.saver)
     done = step + 1
     window = run.pace.end(done)
     if window is not None:
@@ -175,8 +180,7 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     summary["loss"] = loss
     # the checkpoint first: a validation file that fails to read then loses no training
     if run.cadence.due(done, stop, run.total_steps, timed) or signal:
-        out.phase("checkpoint", done, run.cadence.save_time)
-        _save(run, done, summary)
+        _save(run, done, out)
     if run.task.has_validation and checkpoint_dir.due(done, config.validation.every, stop, run.total_steps) \
             and not signal:
         out.phase("validation", done)
@@ -187,14 +191,24 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     return signal, window
 
 
-def _save(run: Run, done: int, summary: dict) -> None:
-    """The checkpoint of step ``done`` (never of weights that are not finite), its time kept for Young/Daly."""
+def _save(run: Run, done: int, out: _Loop) -> None:
+    """The checkpoint of step ``done`` (never of weights that are not finite) started, written in the background
+    (``checkpoint_dir.Saver``) once the one before is finished; the time it held the step up kept for
+    Young/Daly."""
     config = run.config
     finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
-    begin = time.monotonic()
-    summary["checkpoint"] = str(checkpoint_dir.save(Path(config.run_dir) / "checkpoints", done, run.parallel,
-                                                    run.optimizer, keep=config.checkpoint.keep))
-    run.cadence.saved(time.monotonic() - begin, run.parallel.device)
+    _saved(out, done)
+    out.phase("checkpoint", done, run.cadence.save_time)
+    out.saver.save(Path(config.run_dir) / "checkpoints", done,
+                   checkpoint_dir.state_of(run.parallel, run.optimizer, buffers_copied=True),
+                   keep=config.checkpoint.keep)
+
+
+def _saved(out: _Loop, step: int) -> None:
+    """The checkpoint in flight, if any, finished (``summary["checkpoint"]``; collective where there is one)."""
+    if out.saver.pending:
+        out.phase("checkpoint write", step, out.saver.write_s)
+        out.summary["checkpoint"] = str(out.saver.wait())
 
 
 def _report(window: pace.Window, out: _Loop) -> None:
@@ -230,8 +244,10 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
     """The run re-planned after step ``done`` (``replan``): its state saved (a checkpoint of step ``done``) and
     loaded into the new plan's model, in the same processes."""
     name = f"step_{done:08d}"
+    _saved(out, done)
     if not out.summary.get("checkpoint", "").endswith(name):  # not saved at this step already (alike on every rank)
-        _save(run, done, out.summary)
+        _save(run, done, out)
+        _saved(out, done)
     path, mesh = Path(out.summary["checkpoint"]), run.parallel.mesh
     run.pace.close()
     run.parallel = run.optimizer = run.task.parallel = None  # the old model's memory free before the new one's
@@ -251,16 +267,23 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
 
 @contextlib.contextmanager
 def _watched(config: Config, out: _Loop):
-    """The loop under this rank's watchdog (``watchdog.for_this_rank``), from its first batch's reading on."""
+    """The loop under this rank's watchdog (``watchdog.for_this_rank``), from its first batch's reading on; a
+    checkpoint still in flight when the loop fails is let finish (its own failure then told in the log only)."""
     out.watchdog = watchdog.for_this_rank(config)
-    if out.watchdog is None:
-        yield
-        return
-    out.phase("batch", 0)
+    if out.watchdog is not None:
+        out.phase("batch", 0)
     try:
         yield
+    except BaseException:
+        if out.saver.pending:
+            try:
+                out.saver.wait()
+            except HybridparError as err:
+                logger.warning(str(err))
+        raise
     finally:
-        out.watchdog.close()
+        if out.watchdog is not None:
+            out.watchdog.close()
 
 
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
@@ -347,7 +370,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
     out = _Loop(log, MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=False,
                                 resume_step=resume_step, name="pace.jsonl"), shown, summary,
-                balance.Balancer(config.train.rebalance))
+                balance.Balancer(config.train.rebalance), checkpoint_dir.Saver())
     with shown, recovery.Stopping() as stopping, _watched(config, out):
         step = start
         while step < stop:
@@ -357,6 +380,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
                 break
             if replan is not None:
                 run = _replanned(run, step, replan, out)
+        _saved(out, step)  # the last checkpoint finished before the run returns
     summary["time_s"] = time.perf_counter() - begin
     summary.update(run.task.finish())
     log.close()
