@@ -49,7 +49,9 @@ def killed_run(cfg: Path, seed: int) -> str:
     told = re.findall(r"rank (\d) died(?: in step (\d+))? \(signal 9, SIGKILL\); (?:last checkpoint: step (\d+)|no "
                       r"checkpoint yet); restarting \((\d+) of 20\)", proc.stdout)
     assert [int(attempt) for *_, attempt in told] == list(range(1, KILLS + 1)), proc.stdout
-    assert all(int(last or 0) == int(step or 1) - 1 for _, step, last, _ in told)  # a checkpoint at every step
+    # a checkpoint at every step, written in the background: a kill during step s finds that of step s - 1 finished,
+    # or still being written (then the newest is that of step s - 2)
+    assert all(int(step or 1) - 2 <= int(last or 0) <= int(step or 1) - 1 for _, step, last, _ in told), told
     assert "Traceback" not in proc.stderr and not proc.stderr.strip(), proc.stderr
     return proc.stdout
 
@@ -233,9 +235,9 @@ def test_a_stopped_worker_is_a_hang_the_run_recovers_from(tmp_path):
     finally:
         ended(proc)
     out = (tmp_path / "out.txt").read_text()
-    found = re.search(r"hung: no progress in (step \d+|the \w+ after step \d+) for [\d.]+ s on rank (\d) \(its "
+    found = re.search(r"hung: no progress in (step \d+|the [\w -]+ after step \d+) for [\d.]+ s on rank (\d) \(its "
                       r"limit [\d.]+ s: train.hang_factor = 10\); rank (\d) stopped beating \(stopped, frozen or cut "
-                      r"off\); last checkpoint: step \d+; restarting \(1 of 1\)", out)
+                      r"off\); (?:last checkpoint: step \d+|no checkpoint yet); restarting \(1 of 1\)", out)
     assert found and found.group(2) != found.group(3), out
     assert not alive(stopped)
     assert losses(tmp_path / "run")[-1] == losses(tmp_path / "reference")[-1]

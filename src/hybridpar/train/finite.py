@@ -30,11 +30,13 @@ def first_bad_rank(tensors, device: torch.device, signal: int = 0, due: bool = F
     return (None if rank == dist.get_world_size() else rank), -int(flags[1]), bool(flags[2])
 
 
-def update_allowed(config, step: int, loss: torch.Tensor, signal: int = 0, due: bool = False) -> tuple[bool, int, bool]:
+def update_allowed(config, step: int, loss: torch.Tensor, signal: int = 0, due: bool = False,
+                   settle=None) -> tuple[bool, int, bool]:
     """Whether step ``step`` (1-based) may update the weights: its loss is finite on every rank. Otherwise the
-    run stops (``TrainingError``), or with ``train.non_finite = "skip"`` the step is skipped with a warning.
-    Also agrees on the stop signal any rank received (``recovery.Stopping``) and on whether a timed checkpoint is
-    due (``checkpoint_dir.Cadence``), returned second and third."""
+    run stops (``TrainingError``, once ``settle()`` finished the checkpoint in flight, so that the message names
+    the last one), or with ``train.non_finite = "skip"`` the step is skipped with a warning. Also agrees on the
+    stop signal any rank received (``recovery.Stopping``) and on whether a timed checkpoint is due
+    (``checkpoint_dir.Cadence``), returned second and third."""
     rank, signal, due = first_bad_rank([loss.detach()], loss.device, signal, due)
     if rank is None:
         return True, signal, due
@@ -43,6 +45,8 @@ def update_allowed(config, step: int, loss: torch.Tensor, signal: int = 0, due: 
         if dist.get_rank() == 0:
             logger.warning(f"{what}; the step's update is skipped (train.non_finite = \"skip\")")
         return False, signal, due
+    if settle is not None:
+        settle()
     raise TrainingError(f"{what}; the run stopped before its update ({_last_checkpoint(config)}). Look for the "
                         "cause (optimizer.lr, the data of that step), or set train.non_finite = \"skip\" to skip "
                         "such steps")

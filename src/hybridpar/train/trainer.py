@@ -111,7 +111,8 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor, signal: in
         run.slowdown.at(step + 1)
     run.optimizer.zero_grad(set_to_none=True)
     loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
-    updated, signal, timed = finite.update_allowed(cfg, step + 1, loss, signal, run.cadence.timed())
+    updated, signal, timed = finite.update_allowed(cfg, step + 1, loss, signal, run.cadence.timed(),
+                                                   saver.wait if saver is not None else None)
     blocked = saver.staged() if saver is not None else None
     if blocked is not None:
         run.cadence.saved(blocked, run.parallel.device)
@@ -196,8 +197,8 @@ def _save(run: Run, done: int, out: _Loop) -> None:
     (``checkpoint_dir.Saver``) once the one before is finished; the time it held the step up kept for
     Young/Daly."""
     config = run.config
+    _saved(out, done)  # first: a refusal below names the last checkpoint
     finite.check_weights(config, done, list(run.parallel.parameters()), run.parallel.device)
-    _saved(out, done)
     out.phase("checkpoint", done, run.cadence.save_time)
     out.saver.save(Path(config.run_dir) / "checkpoints", done,
                    checkpoint_dir.state_of(run.parallel, run.optimizer, buffers_copied=True),
