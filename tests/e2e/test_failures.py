@@ -19,7 +19,7 @@ import torch
 
 from hybridpar.train import checkpoint_dir, metrics
 from support.harness import limit
-from support.processes import alive, gone_within
+from support.processes import alive, descendants, gone_within
 from test_train import COSMO, expect_error, final_weights, hybridpar, synth, write_config
 from test_train_gpt import config, last_checkpoint, losses, plan_file
 
@@ -280,14 +280,6 @@ def test_the_demo_stops_on_a_signal_in_one_line(tmp_path):
     assert gone_within(workers, 30) == []
 
 
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
-            new = [int(c) for c in (task / "children").read_text().split()]
-            found += new
-            todo += new
-    return found
 
 
 def metrics_lines(run: Path) -> int:

@@ -29,3 +29,14 @@ def gone_within(pids, seconds: float) -> list[int]:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     return [p for p in pids if alive(p)]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid``: its children, theirs, and so on (from /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            new = [int(c) for c in (task / "children").read_text().split()]
+            found += new
+            todo += new
+    return found

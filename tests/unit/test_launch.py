@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.launch import launch_local, loopback_store
-from support.processes import gone_within
+from support.processes import descendants, gone_within
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -107,13 +107,3 @@ def test_workers_end_with_their_launcher_however_it_ends(tmp_path, start):
         assert gone_within(workers + others, 30) == []
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(launcher.pid)], check=False)
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
-            children = [int(c) for c in (task / "children").read_text().split()]
-            found += children
-            todo += children
-    return found
