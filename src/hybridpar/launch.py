@@ -101,7 +101,7 @@ class _Agent(LocalElasticAgent):
     changes nothing, where PyTorch's agent would leave at once, its workers still writing; but a second Ctrl-C
     is a ``KeyboardInterrupt``, at once (the workers end with the launcher: ``die_with``)."""
 
-    def __init__(self, *args, on_failure: Callable[[dict, int], None] | None,
+    def __init__(self, *args, on_failure: Callable[[dict, int, str | None], None] | None,
                  on_stop: Callable[[int], None] | None, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_failure, self._on_stop = on_failure, on_stop
