@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridpar.errors import TrainingError
-from hybridpar.train import checkpoint_dir
+from hybridpar.train.recovery import last_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ def update_allowed(config, step: int, loss: torch.Tensor, signal: int = 0, due: 
         return False, signal, due
     if settle is not None:
         settle()
-    raise TrainingError(f"{what}; the run stopped before its update ({_last_checkpoint(config)}). Look for the "
-                        "cause (optimizer.lr, the data of that step), or set train.non_finite = \"skip\" to skip "
-                        "such steps")
+    last = last_checkpoint(Path(config.run_dir))
+    raise TrainingError(f"{what}; the run stopped before its update ({last}). Look for the cause (optimizer.lr, "
+                        "the data of that step), or set train.non_finite = \"skip\" to skip such steps")
 
 
 def check_weights(config, step: int, parameters: list, device: torch.device) -> None:
@@ -58,10 +58,6 @@ def check_weights(config, step: int, parameters: list, device: torch.device) -> 
     rank, _, _ = first_bad_rank((p.detach() for p in parameters), device)
     if rank is not None:
         raise TrainingError(f"step {step}: the weights became NaN or infinite on rank {rank}; the checkpoint of step "
-                            f"{step} was not written ({_last_checkpoint(config)}). Lower optimizer.lr, or look at "
-                            "the data of the steps before")
+                            f"{step} was not written ({last_checkpoint(Path(config.run_dir))}). Lower optimizer.lr, "
+                            "or look at the data of the steps before")
 
-
-def _last_checkpoint(config) -> str:
-    found = checkpoint_dir.checkpoints(Path(config.run_dir) / "checkpoints")
-    return f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was written"
