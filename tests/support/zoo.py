@@ -204,11 +204,12 @@ def _lm(key: str, config_class: str, model_class: str, patterns: tuple[str, ...]
                  partial(_hf, Tokens, model_class, config_class, config), next_tokens, token_loss, float32_inside)
 
 
-def _encoder(key: str, config_class: str, model_class: str, patterns: tuple[str, ...], config: dict) -> Entry:
+def _encoder(key: str, config_class: str, model_class: str, patterns: tuple[str, ...], config: dict,
+             float32_inside: bool = False) -> Entry:
     classify = model_class.endswith("SequenceClassification")
     return Entry(f"hf-{key}", "transformers", "classify" if classify else "tokens", ("encoder", *patterns),
                  partial(_hf, Tokens, model_class, config_class, config),
-                 token_classes if classify else masked_tokens, class_loss if classify else token_loss)
+                 token_classes if classify else masked_tokens, class_loss if classify else token_loss, float32_inside)
 
 
 def _seq2seq(key: str, config_class: str, model_class: str, patterns: tuple[str, ...], config: dict) -> Entry:
@@ -327,7 +328,7 @@ _ENTRIES = [
              dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4, embedding_dropout=0.0,
                   mlp_dropout=0.0, attention_dropout=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                  cls_token_id=2, sep_token_id=1)),
+                  cls_token_id=2, sep_token_id=1), float32_inside=True),  # its rotary casts queries and keys to float32
     _encoder("xlm-roberta", "XLMRobertaConfig", "XLMRobertaForSequenceClassification", (),
              {**_BERT, "max_position_embeddings": 66, "pad_token_id": 1}),
     _encoder("roformer-mlm", "RoFormerConfig", "RoFormerForMaskedLM", ("rotary", *_TIED),

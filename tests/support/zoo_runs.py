@@ -18,12 +18,13 @@ from support.equivalence import TOL, check_step, plan_mesh, replica_slice
 from support.zoo import ZOO
 
 BATCH = {"monai": 2}  # a step's global batch by library (else 4)
-# float64 throughout; the parallel run sums the same products in other orders. A model that runs parts of its
-# forward in float32 whatever its dtype (Gemma's and Cohere's norms cast to float32) rounds those at 2^-24 (6e-8)
-# relative, so its gradients agree to ~1e-7: 1e-5 still fails a wrong shard or a missed reduction (errors of 1e-3
-# and more). After Adam's first step a parameter moves by lr * g / (|g| + eps): a gradient that cancels to ~0 in
-# exact arithmetic (a bias before a norm) is its rounding (up to ~1e-13 in these models' reductions) amplified by
-# up to lr / eps = 1e4, so parameters agree to ~1e-9; a missed or misplaced step moves one by ~lr = 1e-2.
+# float64 throughout; the parallel run sums the same products in other orders. A model that runs parts of its forward
+# in float32 whatever its dtype (Gemma's and Cohere's norms; ModernBERT's rotary embedding, which casts queries and
+# keys to float32) rounds those at 2^-24 (6e-8) relative, so its gradients agree to ~1e-7: 1e-5 still fails a wrong
+# shard or a missed reduction (errors of 1e-3 and more). After Adam's first step a parameter moves by lr * g / (|g| +
+# eps): a gradient that cancels to ~0 in exact arithmetic (a bias before a norm) is its rounding (up to ~1e-13 in
+# these models' reductions) amplified by up to lr / eps = 1e4, so parameters agree to ~1e-9; a missed or misplaced
+# step moves one by ~lr = 1e-2.
 # The float32 models' gradients, 1e-7 apart, move a parameter through Adam's first step by up to ~1e-6 apart.
 FLOAT32_TOL = dict(rtol=1e-5, atol=1e-7)
 ZOO_STEP_TOL = dict(rtol=1e-10, atol=1e-8)
