@@ -210,6 +210,52 @@ def test_workers_die_with_their_launcher_and_a_run_dir_holds_one_run(tmp_path):
     assert f"trained steps {step}..{step + 1} on dp=2" in resumed.stdout, resumed.stdout + resumed.stderr
 
 
+def torchrun(cfg: Path, *flags, port: int | None = None) -> list[str]:
+    """The command of one torchrun agent (a node of 2 workers) training ``cfg``, its store on loopback."""
+    return [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port or free_port()}", *flags, "-m",
+            "hybridpar", "train", str(cfg)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_run_dir_holds_one_torchrun_job_and_its_own_restarts(tmp_path):
+    """Under torchrun global rank 0 holds run_dir's lock: a second job on the folder is refused on every rank
+    before it trains, naming the first's rank 0; the first job's own restart (rank 0 killed, torchrun
+    --max-restarts) takes the lock over and trains on."""
+    cfg = long_run(tmp_path, checkpoint_every=1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRIDPAR_FAULTS="kill:0@4")
+    with (tmp_path / "first.txt").open("w") as out:
+        first = subprocess.Popen(torchrun(cfg, "--max-restarts", "1"), stdout=out, stderr=subprocess.STDOUT,
+                                 env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + limit(240)
+        while '"split": "restart"' not in text_of(tmp_path / "run" / "metrics.jsonl") and first.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while metrics_lines(tmp_path / "run") < 12 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the restarted attempt trains: its rank 0 took the lock over
+        assert first.poll() is None, (tmp_path / "first.txt").read_text()[-3000:]
+        holder = json.loads((tmp_path / "run" / ".hybridpar.lock").read_text())["pid"]
+        assert holder in descendants(first.pid), holder
+        second = subprocess.run(torchrun(cfg, "--max-restarts", "0"), capture_output=True, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=limit(120))
+        assert second.returncode != 0, second.stdout + second.stderr
+        assert f"is in use by another run (pid {holder} on host" in second.stdout + second.stderr, second.stderr
+        assert "hybridpar/" not in second.stdout + second.stderr, second.stderr  # torchrun's own report only
+        assert first.poll() is None, (tmp_path / "first.txt").read_text()[-3000:]
+    finally:
+        ended(first)
+
+
+def text_of(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def worker_pids(launcher: int) -> list[int]:
     """The training workers of a local run: the fork server's children."""
     server = [p for p in descendants(launcher) if "forkserver" in Path(f"/proc/{p}/cmdline").read_text()
@@ -325,9 +371,7 @@ def test_a_node_lost_for_good_under_torchrun_replans_and_finishes(tmp_path):
     reference = config(tmp_path / "r.toml", tmp_path / "reference", top="[mesh]\ndp = 4\n")
     reference.write_text(cfg.read_text().replace(str(tmp_path / "run"), str(tmp_path / "reference")))
     hybridpar("train", reference, "--nproc", 4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1:2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shrink",
                "--max-restarts", "3", "--rdzv-conf",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from rich.console import Console
 
 from hybridpar.cli.args import non_negative, positive
@@ -158,7 +160,8 @@ def worker(config, resume: bool, stop_after: int | None, local: bool = False) ->
         die_with(os.getppid())  # torchrun's agent; a local worker watches its launcher already
     init_distributed()
     try:
-        result = train(config, resume=resume, stop_after=stop_after, progress=Progress)
+        with contextlib.nullcontext() if local else _run_dir_lock(config.run_dir):
+            result = train(config, resume=resume, stop_after=stop_after, progress=Progress)
     except HybridparError as err:
         result = {"error": str(err)}
     except RuntimeError as err:
@@ -169,6 +172,30 @@ def worker(config, resume: bool, stop_after: int | None, local: bool = False) ->
         _exit_stopped(128 + result["signal"])
     shutdown_distributed()
     return result
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir):
+    """Under torchrun: run_dir locked by global rank 0 (``RunDirLock``) while it trains, its verdict broadcast, so
+    that every rank of a second run on the folder refuses alike. The job's own restarts take the lock over: the
+    rank 0 before them has ended, and the kernel has let go of its lock."""
+    import torch.distributed as dist
+
+    from hybridpar.train.run_lock import RunDirBusy, RunDirLock
+
+    lock, verdict = RunDirLock(run_dir), [""]
+    if dist.get_rank() == 0:
+        try:
+            lock.__enter__()
+        except HybridparError as err:
+            verdict = [str(err)]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise RunDirBusy(verdict[0])
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def _exit_stopped(code: int) -> None:
