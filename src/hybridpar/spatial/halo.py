@@ -11,6 +11,7 @@ Only this module and ``collectives`` talk to ``torch.distributed``; layers call 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,18 +22,32 @@ from hybridpar.geometry import DimExchange, Grid
 
 @dataclass
 class ExchangeStats:
-    """Bytes this rank sent in halo exchanges (forward and backward), for benchmarks and tests, and the seconds
-    it waited for halos (the time a slower neighbour costs it: ``hybridpar.train.pace`` leaves it out of the
-    rank's compute time)."""
+    """Bytes this rank sent in halo exchanges (forward and backward), for benchmarks and tests, and the seconds it
+    waited for halos (the time a slower neighbour costs it: ``hybridpar.train.pace`` leaves it out of the rank's
+    compute time). ``links``: per peer (a global rank), the seconds of each blocking exchange with it since
+    ``take``, in order; ``link_bytes``: the bytes sent to it; both kept while ``timed`` (``hybridpar.train.links``
+    compares the two sides of each link). ``hold``: seconds to hold an exchange of so many bytes before posting it
+    (an emulated slow link, ``hybridpar.train.faults``), inside its timed span as a slow link's transfer would be."""
 
     bytes_sent: int = 0
     messages: int = 0
     wait_s: float = 0.0
+    links: dict[int, list[float]] = field(default_factory=dict)
+    link_bytes: dict[int, int] = field(default_factory=dict)
+    timed: bool = False
+    hold: Callable[[int], float] | None = None
 
     def reset(self) -> None:
         self.bytes_sent = 0
         self.messages = 0
         self.wait_s = 0.0
+        self.take()
+
+    def take(self) -> tuple[dict[int, list[float]], dict[int, int]]:
+        """The per-peer seconds and bytes since the last call, cleared."""
+        links, sent = self.links, self.link_bytes
+        self.links, self.link_bytes = {}, {}
+        return links, sent
 
 
 @dataclass
@@ -91,6 +106,26 @@ def _wait(requests, comm: SpatialComm) -> None:
     comm.stats.wait_s += time.perf_counter() - begin
 
 
+def _exchange(comm: SpatialComm, axis: int, sends, recvs) -> None:
+    """One blocking exchange: post every send and receive, wait for them all; its seconds recorded per peer."""
+    begin = time.perf_counter()
+    sent = {}
+    for part, buf, _ in sends:
+        peer = comm.peer(axis, part)
+        sent[peer] = sent.get(peer, 0) + buf.numel() * buf.element_size()
+    if comm.stats.hold is not None:
+        time.sleep(comm.stats.hold(sum(sent.values())))
+    for req in _post(comm, axis, sends, recvs):
+        req.wait()
+    took = time.perf_counter() - begin
+    comm.stats.wait_s += took
+    if not comm.stats.timed:
+        return
+    for peer in {*sent, *(comm.peer(axis, part) for part, _, _ in recvs)}:
+        comm.stats.links.setdefault(peer, []).append(took)
+        comm.stats.link_bytes[peer] = comm.stats.link_bytes.get(peer, 0) + sent.get(peer, 0)
+
+
 def _shape_with(x: torch.Tensor, dim: int, length: int) -> list[int]:
     shape = list(x.shape)
     shape[dim] = length
@@ -101,12 +136,25 @@ def _is_remote(piece, ex: DimExchange) -> bool:
     return piece.owner not in (None, ex.part)
 
 
-def _post_forward(x, ex: DimExchange, comm: SpatialComm, dim: int):
-    """Send this part's border rows, post receives of the halo pieces; returns (requests, halos by tag)."""
+def _forward_messages(x, ex: DimExchange, dim: int):
+    """This part's border rows to send and empty halo pieces to receive: (sends, receives, halos by tag)."""
     sends = [(part, _rows(x, dim, idx, ex.lo).contiguous(), tag) for part, idx, tag in ex.sends]
     halos = {tag: x.new_empty(_shape_with(x, dim, p.length)) for tag, p in enumerate(ex.pieces) if _is_remote(p, ex)}
     recvs = [(ex.pieces[tag].owner, buf, tag) for tag, buf in halos.items()]
+    return sends, recvs, halos
+
+
+def _post_forward(x, ex: DimExchange, comm: SpatialComm, dim: int):
+    """Send this part's border rows, post receives of the halo pieces; returns (requests, halos by tag)."""
+    sends, recvs, halos = _forward_messages(x, ex, dim)
     return _post(comm, ex.axis, sends, recvs), halos
+
+
+def _exchange_forward(x, ex: DimExchange, comm: SpatialComm, dim: int) -> dict:
+    """The halo pieces of ``x``, exchanged blocking; returns the halos by tag."""
+    sends, recvs, halos = _forward_messages(x, ex, dim)
+    _exchange(comm, ex.axis, sends, recvs)
+    return halos
 
 
 def _return_halo_grads(ex: DimExchange, comm: SpatialComm, dim: int, grad_x: torch.Tensor, halo_grads: dict):
@@ -114,7 +162,7 @@ def _return_halo_grads(ex: DimExchange, comm: SpatialComm, dim: int, grad_x: tor
     rows this part sent and add them into ``grad_x`` (this part's slab gradient)."""
     sends = [(ex.pieces[tag].owner, g.contiguous(), tag) for tag, g in halo_grads.items()]
     recvs = [(part, grad_x.new_empty(_shape_with(grad_x, dim, len(idx))), tag) for part, idx, tag in ex.sends]
-    _wait(_post(comm, ex.axis, sends, recvs), comm)
+    _exchange(comm, ex.axis, sends, recvs)
     for (_, idx, _), (_, buf, _) in zip(ex.sends, recvs):
         _add_rows(grad_x, dim, idx, ex.lo, buf)
     return grad_x
@@ -138,8 +186,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ex: DimExchange, comm: SpatialComm, dim: int, fill: float):
-        requests, halos = _post_forward(x, ex, comm, dim)
-        _wait(requests, comm)
+        halos = _exchange_forward(x, ex, comm, dim)
         out = _pieces(x, ex, dim, fill, halos)
         ctx.ex, ctx.comm, ctx.dim, ctx.shape = ex, comm, dim, x.shape
         return torch.cat(out, dim) if len(out) > 1 else out[0].clone()
@@ -242,8 +289,7 @@ class _HaloConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ex: DimExchange, comm: SpatialComm, dim: int, args: tuple):
-        requests, halos = _post_forward(x, ex, comm, dim)
-        _wait(requests, comm)
+        halos = _exchange_forward(x, ex, comm, dim)
         stride, padding, dilation, groups = args
         zeros = [0] * len(stride)
         y = torch.ops.aten.convolution(torch.cat(_pieces(x, ex, dim, 0.0, halos), dim), weight, bias,

@@ -10,7 +10,11 @@
   ``hybridpar.train.watchdog``);
 - ``slow``: from step ``STEP`` on, the rank computes at about half speed (a throttled device, a noisy
   neighbour): its forward keeps the CPU busy as long again as it computed, its backward twice that;
-  ``slow:RANK@STEPxF`` makes it ``F`` times slower.
+  ``slow:RANK@STEPxF`` makes it ``F`` times slower;
+- ``link``: from step ``STEP`` on, the rank's link is about half as fast (``link:RANK@STEPxF``: ``F`` times slower):
+  each of its halo exchanges and gradient all-reduces is held, inside its timed span, ``F - 1`` times what its
+  bytes take on gloo over loopback (``LOOPBACK``), so that its peers wait for its messages as they would behind a
+  slow link, while its compute is untouched.
 
 The ``i``-th fault of the list fires in restart attempt ``i`` of the elastic agent (``TORCHELASTIC_RESTART_COUNT``),
 so a run restarted after a kill meets the next fault of the list, not the same one again.
@@ -30,9 +34,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridpar.errors import ConfigError
+from hybridpar.train import pace
 
 ENV = "HYBRIDPAR_FAULTS"
-KINDS = ("kill", "nan", "inf", "slow", "stall")
+KINDS = ("kill", "nan", "inf", "slow", "stall", "link")
+SCALED = ("slow", "link")  # the kinds that take a factor
 _ENTRY = re.compile(r"^(\w+):(\d+)@(\d+)(?:x(\d+))?$")
 
 
@@ -41,7 +47,7 @@ class Fault:
     kind: str
     rank: int
     step: int
-    factor: int = 2  # how many times slower a ``slow`` rank computes
+    factor: int = 2  # how many times slower a ``slow`` rank computes, a ``link`` rank's link carries
 
 
 def planned() -> tuple[Fault, ...]:
@@ -55,10 +61,11 @@ def _parse(text: str) -> tuple[Fault, ...]:
     for entry in filter(None, re.split(r"[,\s]+", text.strip())):
         match = _ENTRY.match(entry)
         factor = match.group(4) if match else None
-        if not match or match.group(1) not in KINDS or (factor is not None and (match.group(1) != "slow"
+        if not match or match.group(1) not in KINDS or (factor is not None and (match.group(1) not in SCALED
                                                                                 or int(factor) < 2)):
             raise ConfigError(f"{ENV}: {entry!r} is not KIND:RANK@STEP with KIND one of {', '.join(KINDS)} (or "
-                              "slow:RANK@STEPxF, F >= 2); e.g. kill:3@5 (rank 3 dies during step 5)")
+                              "slow:RANK@STEPxF or link:RANK@STEPxF, F >= 2); e.g. kill:3@5 (rank 3 dies during "
+                              "step 5)")
         faults.append(Fault(match.group(1), int(match.group(2)), int(match.group(3)), int(factor or 2)))
     return tuple(faults)
 
@@ -142,9 +149,38 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def slowdown(parallel) -> Slowdown | None:
-    """The ``slow`` fault planned for this rank in this attempt, hooked onto its modules (``None``: none)."""
+# gloo over loopback on the machine the faults were made on: ~140 us per message, ~2.2 GiB/s
+LOOPBACK = (140e-6, 2.2 * 2**30)
+
+
+class SlowLink:
+    """A ``link`` fault on this rank's exchanges (``hold``: ``F - 1`` times a message's loopback time, from step
+    ``first`` on; ``at`` set before each step)."""
+
+    def __init__(self, first: int, factor: int):
+        self.first, self.extra, self.step = first, factor - 1, 0
+
+    def at(self, step: int) -> None:
+        self.step = step
+
+    def hold(self, nbytes: int) -> float:
+        if self.step < self.first:
+            return 0.0
+        latency, bandwidth = LOOPBACK
+        return self.extra * (latency + nbytes / bandwidth)
+
+
+def slowdown(parallel) -> Slowdown | SlowLink | None:
+    """The ``slow`` or ``link`` fault planned for this rank in this attempt, hooked onto its modules or its
+    exchanges (``None``: none)."""
     fault = _mine()
-    if fault is None or fault.kind != "slow":
+    if fault is None or fault.kind not in SCALED:
         return None
-    return Slowdown(fault.step, fault.factor, parallel.computing_modules())
+    if fault.kind == "slow":
+        return Slowdown(fault.step, fault.factor, parallel.computing_modules())
+    link = SlowLink(fault.step, fault.factor)
+    halos, clocks = pace.exchange_counters(parallel)
+    for counter in ([halos] if halos is not None else []) + clocks:
+        counter.hold = link.hold
+    return link
+

@@ -64,7 +64,7 @@ class Pace:
         self.speeds = speeds or (1.0,) * len(work)
         self.expected = [w / s for w, s in zip(work, self.speeds, strict=True)]
         self.device = parallel.device
-        self._halos = _halo_stats(parallel)
+        self._halos = exchange_counters(parallel)[0]
         self._spans: list = []  # this step's forwards: (start, end, halo wait); on a GPU, CUDA events
         self._begin, self._wait = None, 0.0
         self._step_begin = self._step_wait = 0.0
@@ -157,14 +157,18 @@ def _factors(per_work: list[float]) -> tuple[float, ...]:
                  for r, t in enumerate(per_work))
 
 
-def _halo_stats(parallel):
-    """The halo counters of a spatially parallel model (``None`` without spatial layers)."""
+def exchange_counters(parallel) -> tuple:
+    """The counters of ``parallel``'s exchanges: its spatial layers' halo counters (``None`` without spatial
+    layers) and its DDP all-reduces' clocks (``hybridpar.parallel.data.BucketClock``)."""
     from hybridpar.errors import UnsupportedModuleError
+    from hybridpar.parallel.data import bucket_clock
     from hybridpar.spatial import exchange_stats
 
+    halos = None
     for module in parallel.modules.values():
         try:
-            return exchange_stats(module)
+            halos = exchange_stats(module)
+            break
         except UnsupportedModuleError:
             continue
-    return None
+    return halos, [c for c in map(bucket_clock, parallel.modules.values()) if c is not None]

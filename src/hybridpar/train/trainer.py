@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from hybridpar.errors import ConfigError, HybridparError, TrainingError
 from hybridpar.plan import Plan
 from hybridpar.plan.cost import optimizer_state_bytes
-from hybridpar.train import balance, checkpoint_dir, faults, finite, pace, planning, recovery, watchdog
+from hybridpar.train import balance, checkpoint_dir, faults, finite, links, pace, planning, recovery, watchdog
 from hybridpar.train.agree import agreed, agreed_mesh, mean_over_dp
 from hybridpar.train.config import Config
 from hybridpar.train.metrics import MetricsLog, check_tensorboard
@@ -62,7 +62,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     cadence: checkpoint_dir.Cadence
     pace: pace.Pace
-    slowdown: faults.Slowdown | None = None
+    links: links.Links
+    slowdown: faults.Slowdown | faults.SlowLink | None = None
 
     @property
     def total_steps(self) -> int:
@@ -94,7 +95,8 @@ def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | No
     slowdown = faults.slowdown(parallel)  # before the timing's hooks: a slowed rank's forward is timed slow
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
                pace.Pace(config, plan, parallel, speeds or planning.cluster_speeds(config, task.analysed[2], plan),
-                         planning.layers_for(task.analysed[2], plan)), slowdown)
+                         planning.layers_for(task.analysed[2], plan)),
+               links.Links(config, *pace.exchange_counters(parallel)), slowdown)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor, signal: int = 0,
@@ -168,11 +170,16 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     stop = summary["steps"]
     out.phase("step", step + 1)
     run.pace.begin()
+    run.links.begin()
+    began = time.perf_counter()
     loss, lr, updated, signal, timed = train_step(run, step, x, y, signal, out.saver)
     done = step + 1
     window = run.pace.end(done)
     if window is not None:
         _report(window, out)
+    exchanges = run.links.end(done, time.perf_counter() - began)
+    if exchanges is not None:
+        _report_links(exchanges, out)
     record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
     if not updated:
         record["skipped"] = True
@@ -224,6 +231,17 @@ def _report(window: pace.Window, out: _Loop) -> None:
         out.log.log({"step": window.step, "split": "slow", "rank": rank, "factor": factor})
 
 
+def _report_links(window: links.LinkWindow, out: _Loop) -> None:
+    """A window's exchange timing in ``pace.jsonl``; a link found slow in the metrics and on screen (rank 0)."""
+    out.pace.log(window.record())
+    for link, factor in window.slow.items():
+        if dist.get_rank() == 0:
+            logger.warning(f"{link.describe()} is slow: {factor:.2f}x its peers' time per byte, "
+                           f"{window.seconds[link]:.3g} s of a {window.step_s:.3g} s step (steps to {window.step})")
+        out.log.log({"step": window.step, "split": "slow-link", "kind": link.kind, "ranks": list(link.ranks),
+                     "factor": factor, "seconds": window.seconds[link], "step_s": window.step_s})
+
+
 def _train_until(run: Run, start: int, stop: int, stopping, out: _Loop):
     """Steps from ``start``; returns ``(step reached, stop signal, re-plan)``: after a stop signal, at a window
     that asks for a new plan (``balance.Balancer``), or at ``stop``."""
@@ -251,6 +269,7 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
         _saved(out, done)
     path, mesh = Path(out.summary["checkpoint"]), run.parallel.mesh
     run.pace.close()
+    run.links.close()
     run.parallel = run.optimizer = run.task.parallel = None  # the old model's memory free before the new one's
     gc.collect()
     if mesh.device_type == "cuda":
