@@ -69,28 +69,29 @@ def test_a_slow_pipeline_stage_gets_fewer_layers_and_the_run_computes_the_same(t
 
 
 def test_a_slow_link_is_named_not_its_ranks_and_changes_no_value(tmp_path, volumes):
-    """The link of rank 1 of dp=2 x spatial 2 slowed from step 1 (``link:1@1x20``: each of its exchanges held 19
-    times what its bytes take on loopback, a few milliseconds, a few times what a halo exchange takes on this busy
-    2-core machine): the halo link between ranks 0 and 1 is named at its second judgement (of the last two windows
-    of 5 timed steps: at steps 11 and 16), neither rank is called slow (their compute is untouched), no other link
-    is named, and every loss is the clean run's, bit for bit; the clean run names nothing. Validation and the
-    checkpoint at the end only: nothing in the background beside the timed steps."""
-    values = dict(data=volumes, dp=2, spatial=[1, 2, 1], steps=16)
+    """The link of rank 1 of dp=2 x spatial 2 slowed from step 1 (``link:1@1x40``: each of its exchanges held 39
+    times what its bytes take on loopback, about 6 ms, a few times what a halo exchange takes on this busy 2-core
+    machine): the halo link between ranks 0 and 1 is named after two judgements in a row (of the last two windows of
+    5 timed steps, at steps 11, 16 and 21: at step 16, or at 21 where the busy machine's noise held the first one
+    under the factor), neither rank is called slow (their compute is untouched), no other link is named, and every
+    loss is the clean run's, bit for bit; the clean run names nothing. Validation and the checkpoint at the end
+    only: nothing in the background beside the timed steps."""
+    values = dict(data=volumes, dp=2, spatial=[1, 2, 1], steps=21)
     runs = {}
     for name in ("clean", "slowed"):
         runs[name] = write_config(tmp_path / f"{name}.toml", COSMO, run=tmp_path / name, **values)
-        runs[name].write_text(runs[name].read_text().replace("every = 2", "every = 16"))
+        runs[name].write_text(runs[name].read_text().replace("every = 2", "every = 21"))
     hybridpar("train", runs["clean"], "--nproc", 4)
-    proc = hybridpar("train", runs["slowed"], "--nproc", 4, env={"HYBRIDPAR_FAULTS": "link:1@1x20"})
+    proc = hybridpar("train", runs["slowed"], "--nproc", 4, env={"HYBRIDPAR_FAULTS": "link:1@1x40"})
     assert "the link between ranks 0 and 1 (halo exchanges) is slow" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "is slow: its forward" not in proc.stderr, proc.stderr
     records = metrics.read(tmp_path / "slowed" / "metrics.jsonl")
     named = [r for r in records if r["split"] == "slow-link"]
-    assert [(r["step"], r["kind"], r["ranks"]) for r in named] == [(16, "halo", [0, 1])], named
-    assert named[0]["factor"] >= 2 and not [r for r in records if r["split"] == "slow"], records
+    assert [(r["kind"], r["ranks"]) for r in named] == [("halo", [0, 1])] and named[0]["step"] in (16, 21), named
+    assert named[0]["factor"] >= 1.5 and not [r for r in records if r["split"] == "slow"], records
     windows = [r for r in metrics.read(tmp_path / "slowed" / "pace.jsonl") if r["split"] == "links"]
     assert [{(k["kind"], tuple(k["ranks"])) for k in w["links"]} for w in windows] == [
-        {("halo", (0, 1)), ("halo", (2, 3)), ("gradients", (0, 1, 2, 3))}] * 2, windows
+        {("halo", (0, 1)), ("halo", (2, 3)), ("gradients", (0, 1, 2, 3))}] * 3, windows
     clean = metrics.read(tmp_path / "clean" / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in records if r["split"] == "train"] == [
         (r["step"], r["loss"]) for r in clean if r["split"] == "train"]
