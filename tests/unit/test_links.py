@@ -56,9 +56,9 @@ def test_a_slow_link_is_named_once_where_it_costs_enough_of_a_step(monkeypatch):
         window = [[step({A: [3 * scale]})], [step({A: [3 * scale]})], [step({B: [scale]})], [step({B: [scale]})]]
         per_rank = iter([window] * 4)
         timing = Links(config, None, [])
-        assert timing.end(1, 1.0) is None  # the first step is not timed
-        assert timing.end(2, 1.0) is None  # one window: nothing judged yet
-        found = [timing.end(s, 1.0) for s in (3, 4, 5)]
+        assert timing.end(1) is None  # the first step is not timed
+        assert timing.end(2) is None  # one window: nothing judged yet
+        found = [timing.end(s) for s in (3, 4, 5)]
         assert [set(w.slow) for w in found] == named and all(w.factors[A] == pytest.approx(3.0) for w in found)
 
 

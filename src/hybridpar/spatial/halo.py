@@ -107,23 +107,25 @@ def _wait(requests, comm: SpatialComm) -> None:
 
 
 def _exchange(comm: SpatialComm, axis: int, sends, recvs) -> None:
-    """One blocking exchange: post every send and receive, wait for them all; its seconds recorded per peer."""
+    """One blocking exchange: post every send and receive, wait for them all; while ``timed``, its seconds
+    recorded per peer."""
+    stats = comm.stats
     begin = time.perf_counter()
-    sent = {}
-    for part, buf, _ in sends:
-        peer = comm.peer(axis, part)
-        sent[peer] = sent.get(peer, 0) + buf.numel() * buf.element_size()
-    if comm.stats.hold is not None:
-        time.sleep(comm.stats.hold(sum(sent.values())))
+    sent: dict[int, int] = {}  # bytes per peer, where the timing or a held link asks
+    if stats.timed or stats.hold is not None:
+        for part, buf, _ in sends:
+            peer = comm.peer(axis, part)
+            sent[peer] = sent.get(peer, 0) + buf.numel() * buf.element_size()
+    if stats.hold is not None:
+        time.sleep(stats.hold(sum(sent.values())))
     for req in _post(comm, axis, sends, recvs):
         req.wait()
     took = time.perf_counter() - begin
-    comm.stats.wait_s += took
-    if not comm.stats.timed:
-        return
-    for peer in {*sent, *(comm.peer(axis, part) for part, _, _ in recvs)}:
-        comm.stats.links.setdefault(peer, []).append(took)
-        comm.stats.link_bytes[peer] = comm.stats.link_bytes.get(peer, 0) + sent.get(peer, 0)
+    stats.wait_s += took
+    if stats.timed:
+        for peer in {*sent, *(comm.peer(axis, part) for part, _, _ in recvs)}:
+            stats.links.setdefault(peer, []).append(took)
+            stats.link_bytes[peer] = stats.link_bytes.get(peer, 0) + sent.get(peer, 0)
 
 
 def _shape_with(x: torch.Tensor, dim: int, length: int) -> list[int]:

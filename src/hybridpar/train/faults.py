@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridpar.errors import ConfigError
-from hybridpar.train import pace
 
 ENV = "HYBRIDPAR_FAULTS"
 KINDS = ("kill", "nan", "inf", "slow", "stall", "link")
@@ -170,17 +169,15 @@ class SlowLink:
         return self.extra * (latency + nbytes / bandwidth)
 
 
-def slowdown(parallel) -> Slowdown | SlowLink | None:
-    """The ``slow`` or ``link`` fault planned for this rank in this attempt, hooked onto its modules or its
-    exchanges (``None``: none)."""
+def slowdown(parallel, counters) -> Slowdown | SlowLink | None:
+    """The ``slow`` or ``link`` fault planned for this rank in this attempt, hooked onto its modules or onto the
+    ``counters`` of its exchanges (``hybridpar.train.links.Links.counters``) (``None``: none)."""
     fault = _mine()
     if fault is None or fault.kind not in SCALED:
         return None
     if fault.kind == "slow":
         return Slowdown(fault.step, fault.factor, parallel.computing_modules())
     link = SlowLink(fault.step, fault.factor)
-    halos, clocks = pace.exchange_counters(parallel)
-    for counter in ([halos] if halos is not None else []) + clocks:
+    for counter in counters:
         counter.hold = link.hold
     return link
-

@@ -22,6 +22,7 @@ once, the same on every rank, with its factor and seconds.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -78,12 +79,13 @@ class Links:
     def __init__(self, config, halos, clocks):
         self.window, self.threshold = config.train.slow_window, config.train.slow_factor
         self.halos, self.clocks = halos, list(clocks)
-        self._counters = ([halos] if halos is not None else []) + self.clocks
-        for counter in self._counters:
+        self.counters = ([halos] if halos is not None else []) + self.clocks  # every counter, for a ``link`` fault
+        for counter in self.counters:
             counter.timed = True
         self.rank = dist.get_rank()
         self._steps: list[dict] = []  # per step: {link: (seconds of each exchange, bytes)}
         self._warm = False  # the first step (connections made, DDP's first buckets) is not timed
+        self._began = 0.0
         self._before: list | None = None  # the window before, as gathered
         self._first: dict[Link, float] = {}  # a link alone of its kind: its seconds per byte when first judged
         self._strikes: dict[Link, int] = {}  # judgements in a row over the factor
@@ -106,12 +108,14 @@ class Links:
 
     def begin(self) -> None:
         """A step starts: what was exchanged since the last step (a validation's forwards) is not its."""
-        for counter in self._counters:
+        for counter in self.counters:
             counter.take()
+        self._began = time.perf_counter()
 
-    def end(self, step: int, step_s: float) -> LinkWindow | None:
-        """Step ``step`` ended (it took ``step_s``); at the end of each window from the second on (as
-        ``pace.Pace.end``: collective, on every rank after the same steps), the last two windows judged."""
+    def end(self, step: int) -> LinkWindow | None:
+        """Step ``step`` ended; at the end of each window from the second on (as ``pace.Pace.end``: collective, on
+        every rank after the same steps), the last two windows judged."""
+        step_s = time.perf_counter() - self._began
         measured = self._measured()
         if self._warm:
             self._steps.append({"links": measured, "step_s": step_s})
@@ -137,7 +141,7 @@ class Links:
         return LinkWindow(step, seconds, nbytes, factors, slow, took)
 
     def close(self) -> None:
-        for counter in self._counters:
+        for counter in self.counters:
             counter.timed = False
             counter.take()
 

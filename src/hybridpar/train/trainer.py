@@ -92,11 +92,12 @@ def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | No
                                                          for q in parallel.parameters()))
     cadence = checkpoint_dir.Cadence(config, dist.get_world_size(),
                                      local + optimizer_state_bytes(local, config.optimizer.name))
-    slowdown = faults.slowdown(parallel)  # before the timing's hooks: a slowed rank's forward is timed slow
+    exchanges = links.Links(config, *pace.exchange_counters(parallel))
+    # before the timing's hooks: a slowed rank's forward is timed slow
+    slowdown = faults.slowdown(parallel, exchanges.counters)
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
                pace.Pace(config, plan, parallel, speeds or planning.cluster_speeds(config, task.analysed[2], plan),
-                         planning.layers_for(task.analysed[2], plan)),
-               links.Links(config, *pace.exchange_counters(parallel)), slowdown)
+                         planning.layers_for(task.analysed[2], plan)), exchanges, slowdown)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor, signal: int = 0,
@@ -171,13 +172,12 @@ def _step(run: Run, step: int, x, y, signal: int, out: _Loop) -> tuple[int, obje
     out.phase("step", step + 1)
     run.pace.begin()
     run.links.begin()
-    began = time.perf_counter()
     loss, lr, updated, signal, timed = train_step(run, step, x, y, signal, out.saver)
     done = step + 1
     window = run.pace.end(done)
     if window is not None:
         _report(window, out)
-    exchanges = run.links.end(done, time.perf_counter() - began)
+    exchanges = run.links.end(done)
     if exchanges is not None:
         _report_links(exchanges, out)
     record = {"step": done, "split": "train", "loss": loss, "lr": lr, **run.task.record()}
