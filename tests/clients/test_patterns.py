@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -194,11 +195,57 @@ class ExpandedPositions(nn.Module):
         return self.head(h)
 
 
+class KindTable(nn.Module):
+    """A table of positions for one kind of layer (a rotary embedding's, per attention kind)."""
+
+    def forward(self, h, kind: str):
+        rate = 0.1 if kind == "near" else 0.7
+        positions = torch.arange(h.shape[1], dtype=h.dtype, device=h.device)
+        return torch.sin(positions[:, None] * rate * torch.arange(1, D + 1, dtype=h.dtype, device=h.device) / D)
+
+
+class KindLayer(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.linear = kind, nn.Linear(D, D)
+
+    def forward(self, h, table):
+        return torch.tanh(self.linear(h) + table)
+
+
+def set_order() -> tuple[str, str]:
+    """The order in which ``{"near", "far"}`` iterates in this process, which Python's salted string hashes make
+    differ from process to process; here by rank, so that the two stages of a pipeline differ on every run."""
+    return ("far", "near") if dist.is_initialized() and dist.get_rank() % 2 else ("near", "far")
+
+
+class SetOrderedTables(nn.Module):
+    """ModernBERT's rotary tables: one per kind of attention, made by one block in a loop over a set of strings
+    (an order of its own in each process), each layer given its kind's. The stages of a pipeline once sent and
+    received the tables in their own process's order, and fed each layer the other kind's table: silently wrong
+    (ModernBERT's loss off by 1.5e-8, its attention's gradients by 1e-3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.tables = nn.Embedding(32, D), KindTable()
+        self.layers = nn.ModuleList(KindLayer(kind) for kind in ("near", "far", "near"))
+        self.head = nn.Linear(D, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        tables = {kind: self.tables(h, kind) for kind in set_order()}
+        for layer in self.layers:
+            h = layer(h, tables[layer.kind])
+        return self.head(h)
+
+
 MODELS = {"config-heads": ConfigHeads, "channels-last-norm": ChannelsLastNorm, "tensor-heads": TensorHeads,
           "dropped-head": DroppedHead, "dropped-conv-head": DroppedConvHead, "aliased-head": AliasedHead,
           "dict-blocks": DictBlocks, "read-table": ReadTable, "sized-blocks": SizedBlocks,
-          "mask-positions": MaskPositions, "expanded-positions": ExpandedPositions}
-TOKENS = ("aliased-head", "mask-positions", "expanded-positions")  # models of token ids, with a cross-entropy loss
+          "mask-positions": MaskPositions, "expanded-positions": ExpandedPositions,
+          "set-ordered-tables": SetOrderedTables}
+# models of token ids, with a cross-entropy loss
+TOKENS = ("aliased-head", "mask-positions", "expanded-positions", "set-ordered-tables")
 CALLS: list[int] = []  # loss calls of the last step on this rank
 
 
@@ -290,6 +337,8 @@ def test_a_view_that_fixes_the_head_count_is_refused_by_every_check():
     ("mask-positions", dict(pp=2, micro_batches=2, stages=("layers.1",))),
     ("mask-positions", dict(pp=2, micro_batches=2, stages=("head",))),
     ("expanded-positions", dict(pp=2, micro_batches=2, stages=("layers.1.linear",))),
+    ("set-ordered-tables", dict(pp=2, micro_batches=2, stages=("layers.0.linear",))),
+    ("set-ordered-tables", dict(pp=2, micro_batches=2, stages=("layers.1.linear",))),
 ])
 def test_the_patterns_equal_one_process(dist2, dist4, name, fields):
     """An output computed and dropped once left ~40 gradients up to 2e-2 off under data or spatial parallelism (its
@@ -297,7 +346,8 @@ def test_the_patterns_equal_one_process(dist2, dist4, name, fields):
     names is split once; a pipeline of blocks that return dicts runs, and calls the loss on its micro-batches
     only (PyTorch's schedule once called it on an uninitialised warm-up output). FSDP gathers block by block only
     the blocks whose weights their own forward alone reads; a pipeline stage runs the model's code on an input of
-    the input's shape, and stands in for a skipped block with what the block returns for what it is passed."""
+    the input's shape, and stands in for a skipped block with what the block returns for what it is passed; the
+    stages of a cut agree on what crosses it whatever order their processes made it in."""
     world = Plan(**fields).world_size
     (dist2 if world == 2 else dist4).run(step, name=name, fields=fields)
 

@@ -154,14 +154,32 @@ class StageInterface:
 
 
 def stage_interfaces(graph, groups: list[list[str]]) -> list[StageInterface]:
-    """What crosses each cut between the stages holding the blocks ``groups`` (checked by ``_cut_table``)."""
+    """What crosses each cut between the stages holding the blocks ``groups`` (checked by ``_cut_table``), in the
+    order of ``_first_passed``, on which the two ranks of a cut agree."""
     index = {name: i for i, name in enumerate(graph.blocks)}
     starts = [min(index[name] for name in group) for group in groups[1:]]
+    first = _first_passed(graph)
     receives: list[list[int]] = [[]]
     for b in starts:
-        receives.append(sorted({p[0] for p in _crossing(graph, b)}))
+        receives.append(sorted({p[0] for p in _crossing(graph, b)}, key=first.__getitem__))
     return [StageInterface(tuple(receives[s]), tuple(receives[s + 1]) if s + 1 < len(receives) else ())
             for s in range(len(receives))]
+
+
+def _first_passed(graph) -> dict[int, tuple[int, int, int]]:
+    """``{value: (block, the block's call, leaf)}``: where each tensor passed to a block is first passed. A value's
+    number in the analysis follows the order in which the model's code made it, which may differ between processes
+    (a loop over a set of strings, as ModernBERT's over its attention kinds for their rotary tables, runs in the
+    order of Python's salted string hashes); where a tensor is passed does not, so the two stages of a cut order
+    what crosses it alike."""
+    first: dict[int, tuple[int, int, int]] = {}
+    calls: dict[int, int] = {}
+    for call in graph.block_calls:
+        k = calls[call.block] = calls.get(call.block, -1) + 1
+        for arg in call.args:
+            place = (call.block, k, arg.leaf)
+            first[arg.value] = min(first.get(arg.value, place), place)
+    return first
 
 
 def stage_io(graph, groups: list[list[str]]) -> list[tuple[tuple, tuple]]:
