@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from hybridpar.train import links
-from hybridpar.train.faults import Fault, SlowLink, _parse
+from hybridpar.train.faults import Fault, SlowLink, Window, _parse
 from hybridpar.train.links import GRADIENTS, HALO, Link, Links, _factor, _transfers
 
 A, B = Link(HALO, (0, 1)), Link(HALO, (2, 3))
@@ -64,8 +64,9 @@ def test_a_slow_link_is_named_once_where_it_costs_enough_of_a_step(monkeypatch):
 
 def test_the_link_fault_is_planned_by_the_environment_and_holds_from_its_step():
     assert _parse("link:1@3x4, link:2@1") == (Fault("link", 1, 3, 4), Fault("link", 2, 1))
-    held = SlowLink(3, 4)
-    held.at(2)
+    window = Window(3, None)
+    held = SlowLink(window, 4)
+    window.at(2)
     assert held.hold(1000) == 0.0
-    held.at(3)
+    window.at(3)
     assert held.hold(0) == pytest.approx(3 * 140e-6)

@@ -63,7 +63,7 @@ class Run:
     cadence: checkpoint_dir.Cadence
     pace: pace.Pace
     links: links.Links
-    slowdown: faults.Slowdown | faults.SlowLink | None = None
+    faults: faults.Armed | None = None
 
     @property
     def total_steps(self) -> int:
@@ -94,10 +94,10 @@ def setup(config: Config, task: Task, plan: Plan, speeds: tuple[float, ...] | No
                                      local + optimizer_state_bytes(local, config.optimizer.name))
     exchanges = links.Links(config, *pace.exchange_counters(parallel))
     # before the timing's hooks: a slowed rank's forward is timed slow
-    slowdown = faults.slowdown(parallel, exchanges.counters)
+    armed = faults.arm(parallel, exchanges.counters)
     return Run(config, plan, task, parallel, build_optimizer(parallel.parameters(), config.optimizer), cadence,
                pace.Pace(config, plan, parallel, speeds or planning.cluster_speeds(config, task.analysed[2], plan),
-                         planning.layers_for(task.analysed[2], plan)), exchanges, slowdown)
+                         planning.layers_for(task.analysed[2], plan)), exchanges, armed)
 
 
 def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor, signal: int = 0,
@@ -110,8 +110,8 @@ def train_step(run: Run, step: int, x: torch.Tensor, y: torch.Tensor, signal: in
     lr = learning_rate(step, run.total_steps, cfg.optimizer.lr, cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     torch.manual_seed(cfg.seed + 1_000_003 * (step + 1) + run.task.seed_offset())  # this step's dropout masks
-    if run.slowdown is not None:
-        run.slowdown.at(step + 1)
+    if run.faults is not None:
+        run.faults.at(step + 1)
     run.optimizer.zero_grad(set_to_none=True)
     loss = faults.after_backward(step + 1, run.parallel.train_step(x, y))
     updated, signal, timed = finite.update_allowed(cfg, step + 1, loss, signal, run.cadence.timed(),
