@@ -9,9 +9,10 @@ a run started by an elastic agent (``hybridpar train``'s, or ``torchrun``'s) run
   phase not measured yet, the same times what it is expected to take (a checkpoint: its bytes at an assumed
   rate), or the process group's timeout where nothing is expected (``FIRST_S``: compiling, first allocations).
 
-A phase past its deadline is a hang: the rank reads the heartbeats twice (``BEAT_S`` apart) to name the ranks
-that stopped beating (else every rank is alive and a collective or its link stalled), writes that verdict to the
-store (the launcher tells it) and to its stderr, and ends itself with SIGKILL. The agent sees the rank fail and
+Each beat also reads its peers' counters, so that a phase past its deadline is a hang told at once: the ranks
+whose counter has not moved for ``SILENT_S`` stopped beating (else every rank is alive and a collective or its link
+stalled); the rank writes that verdict to the store (the launcher tells it) and to its stderr, and ends itself with
+SIGKILL. The agent sees the rank fail and
 restarts the run from its newest checkpoint (``--max-restarts``), or stops it, as after any failure.
 """
 
@@ -30,6 +31,7 @@ from hybridpar.launch import hang_key
 FLOOR_S = 10.0  # no phase is a hang sooner: a loaded machine stalls a process for seconds
 FIRST_S = 300.0  # a phase not measured yet: the process group's timeout (launch.init_distributed)
 BEAT_S = 1.0
+SILENT_S = 2.5  # a peer whose counter has not moved for this long stopped beating
 MEASURED = 20  # a phase's deadline follows its slowest of this many last runs
 STORE_TIMEOUT_S = 5.0
 
@@ -47,6 +49,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._current: tuple[str, int, float, float] | None = None  # kind, step, began, deadline
         self._stop = threading.Event()
+        self._heard: dict[int, tuple[int, float]] = {}  # a peer's counter, and when this rank saw it move
         self._thread = threading.Thread(target=self._watch, name="hybridpar-watchdog", daemon=True)
         self._thread.start()
 
@@ -80,8 +83,15 @@ class Watchdog:
             self._times.setdefault(kind, collections.deque(maxlen=MEASURED)).append(now - began)
 
     def _beat(self) -> None:
+        """Add 1 to this rank's counter; read its peers'."""
         try:
             self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
+            now = time.monotonic()
+            for r in range(self.world_size):
+                if r != self.rank:
+                    count = self.store.add(f"{self.prefix}/beat/{r}", 0)
+                    if self._heard.get(r, (None,))[0] != count:
+                        self._heard[r] = (count, now)
         except Exception:  # noqa: BLE001 - the store gone: the launcher is gone (launch.die_with)
             pass
 
@@ -109,18 +119,13 @@ class Watchdog:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _stopped(self) -> str:
-        """Which ranks stopped beating, from two readings of the heartbeats ``2 * BEAT_S`` apart (this rank beats
-        on meanwhile: its peers may be reading theirs)."""
-        keys = [f"{self.prefix}/beat/{r}" for r in range(self.world_size)]
-        try:
-            first = [self.store.add(k, 0) for k in keys]
-            for _ in range(4):
-                time.sleep(BEAT_S / 2)
-                self._beat()
-            second = [self.store.add(k, 0) for k in keys]
-        except Exception:  # noqa: BLE001
+        """Which ranks stopped beating: those whose counter this rank has not seen move for ``SILENT_S`` (read
+        again first: a reading may be a beat old)."""
+        self._beat()
+        if len(self._heard) < self.world_size - 1:
             return "the run's store does not answer (its host stopped?)"
-        silent = [r for r, (a, b) in enumerate(zip(first, second, strict=True)) if a == b and r != self.rank]
+        now = time.monotonic()
+        silent = [r for r, (_, moved) in sorted(self._heard.items()) if now - moved >= SILENT_S]
         if silent:
             ranks = ", ".join(map(str, silent))
             return f"rank{'s' if len(silent) > 1 else ''} {ranks} stopped beating (stopped, frozen or cut off)"
