@@ -185,18 +185,10 @@ def fault_free(config: Path) -> float:
 
 def last_checkpoint(run: Path) -> dict:
     """Every tensor of the run's last checkpoint (weights, batch norm's statistics, Adam's moments)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    from hybridpar.parallel.checkpoint_files import read_tensors
     from hybridpar.train import checkpoint_dir
 
-    path = checkpoint_dir.checkpoints(run / "checkpoints")[-1][1]
-    items = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in items
-             if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=path)
-    return state
+    return read_tensors(checkpoint_dir.checkpoints(run / "checkpoints")[-1][1])
 
 
 def losses(run: Path) -> list[tuple[int, float]]:

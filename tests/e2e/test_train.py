@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
+from hybridpar.parallel.checkpoint_files import read_tensors
 from hybridpar.plan import Plan, preset
 from hybridpar.plan.io import write_cluster
 from hybridpar.train import checkpoint_dir, metrics
 from hybridpar.train.config import load
-from hybridpar.train.tasks.volumes import build_model, datasets
 from hybridpar.train.trainer import check
 from support.harness import limit
 
@@ -113,13 +112,9 @@ def write_config(path: Path, template: str, **values) -> Path:
 
 
 def final_weights(config_path: Path) -> dict[str, torch.Tensor]:
-    """The model weights of the run's last checkpoint, loaded without a process group."""
-    config = load(config_path)
-    model = build_model(config, datasets(config, torch.float64)[0]).double()
-    state = {"model": model.state_dict()}
-    step, path = checkpoint_dir.checkpoints(Path(config.run_dir) / "checkpoints")[-1]
-    dcp.load(state, checkpoint_id=path)
-    return state["model"]
+    """The model's tensors (weights and buffers) in the run's last checkpoint, read without a process group."""
+    path = checkpoint_dir.checkpoints(Path(load(config_path).run_dir) / "checkpoints")[-1][1]
+    return {key.removeprefix("model."): t for key, t in read_tensors(path).items() if key.startswith("model.")}
 
 
 def run_pair(tmp_path, template, data, grid, data_parallel="ddp", **values):

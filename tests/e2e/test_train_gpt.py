@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hybridpar.data.tokens import MarkovTokens
 from hybridpar.errors import HybridparError
 from hybridpar.ir.types import Plan
 from hybridpar.models.gpt import gpt
+from hybridpar.parallel.checkpoint_files import read_tensors
 from hybridpar.parallel.tensor import pair_strategies
 from hybridpar.plan import graph_of, preset
 from hybridpar.plan.io import write_cluster
@@ -100,12 +99,7 @@ def test_resumed_under_another_plan_and_world_size_equals_one_process(tmp_path):
 
 def last_checkpoint(run: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the run's last checkpoint (weights and optimizer moments), whole, read without a group."""
-    path = checkpoint_dir.checkpoints(run / "checkpoints")[-1][1]
-    items = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in items
-             if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=path)
-    return state
+    return read_tensors(checkpoint_dir.checkpoints(run / "checkpoints")[-1][1])
 
 
 @pytest.mark.parametrize("fields", [dict(dp=2, tp=2), dict(dp=2, pp=2, stages=("blocks.2.ln_1",), micro_batches=2)],

@@ -96,6 +96,15 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint folder ``path`` (weights, buffers, optimizer moments), whole, read in this
+    process alone, its metadata read as ``read_metadata`` reads it."""
+    items = read_metadata(Path(path)).state_dict_metadata.items()
+    state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in items}
+    dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+    return state
+
+
 def write_manifest(path: Path, group=None) -> None:
     """Hash every file of the checkpoint folder ``path`` (in parallel over the ranks) and write ``manifest.json``
     (rank 0; collective over ``group``, a group of every rank: by default the default one). Written last, after
