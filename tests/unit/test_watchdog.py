@@ -4,6 +4,8 @@ beating at once, without a reading of its own after the deadline."""
 import threading
 import time
 
+import pytest
+
 from hybridpar.train import watchdog
 from hybridpar.train.watchdog import Watchdog
 
@@ -21,9 +23,14 @@ class Store:
             return self.counts[key]
 
 
-def test_a_hang_names_the_peers_whose_heartbeat_stopped(monkeypatch):
+@pytest.fixture
+def fast(monkeypatch):
+    """Beats every 0.1 s; a peer silent for 0.6 s stopped beating."""
     monkeypatch.setattr(watchdog, "BEAT_S", 0.1)
     monkeypatch.setattr(watchdog, "SILENT_S", 0.6)
+
+
+def test_a_hang_names_the_peers_whose_heartbeat_stopped(fast):
     store = Store()
     dog = Watchdog(10.0, store, rank=0, world_size=4, attempt=2)
     try:
@@ -41,9 +48,7 @@ def test_a_hang_names_the_peers_whose_heartbeat_stopped(monkeypatch):
         dog.close()
 
 
-def test_every_rank_beating_is_a_stalled_collective(monkeypatch):
-    monkeypatch.setattr(watchdog, "BEAT_S", 0.1)
-    monkeypatch.setattr(watchdog, "SILENT_S", 0.6)
+def test_every_rank_beating_is_a_stalled_collective(fast):
     store = Store()
     dog = Watchdog(10.0, store, rank=1, world_size=2, attempt=0)
     try:
@@ -55,7 +60,7 @@ def test_every_rank_beating_is_a_stalled_collective(monkeypatch):
         dog.close()
 
 
-def test_a_store_that_does_not_answer_is_told(monkeypatch):
+def test_a_store_that_does_not_answer_is_told():
     class Gone:
         def add(self, key, amount):
             raise ConnectionError("gone")
