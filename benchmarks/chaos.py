@@ -11,8 +11,9 @@ every ``--every`` seconds, each drawn at random (each kind once in every five, i
 
 Failures come through ``HYBRIDPAR_FAULTS`` and signals only: the run recovers by itself (``--max-restarts``, the
 watchdog, the automatic checkpoint interval from ``checkpoint.mtbf_hours``, set to the rate the faults come at);
-the only help it gets is the ``--resume`` after a SIGTERM, as a job script gives it. A fault is sent once the
-run has trained a step since the one before (a fault during a restart would only lengthen that restart).
+the only help it gets is the ``--resume`` after a SIGTERM, as a job script gives it. A fault waits until the run
+has trained again for ``--settle`` seconds since the one before (a fault during a restart would only lengthen
+that restart, and faults that cost more than ``--every`` would leave the run no time to train).
 Reported: the faults by kind, the restarts and hangs the run told, the wall time of both runs, goodput (the
 uninterrupted run's wall time over the chaos run's: useful steps per second against a fault-free run), the time
 each kind cost, and whether the final weights, Adam's moments and the losses are the uninterrupted run's, bit for
@@ -132,7 +133,7 @@ def trained(run: Path) -> int:
     return max(steps, default=0)
 
 
-def chaos(config: Path, run: Path, every: float, slow_s: int, seed: int) -> dict:
+def chaos(config: Path, run: Path, every: float, slow_s: int, settle: float, seed: int) -> dict:
     """Train ``config`` under a fault every ``every`` seconds until it finishes; what happened."""
     rng = random.Random(seed)
     env = dict(os.environ, OMP_NUM_THREADS="1", HYBRIDPAR_FAULTS=f"stall@usr1,slow@usr2x3for{slow_s}")
@@ -140,7 +141,7 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, seed: int) -> dict
     start = time.monotonic()
     launch = Launch(config, *flags, env=env)
     launches, faults, lines = [launch], [], []
-    due, last_step, bag = start + every, 0, []
+    due, last_step, bag, again = start + every, 0, [], None  # again: when the run trained past the last fault
     while True:
         code = launch.proc.poll()
         if code is not None:
@@ -156,7 +157,9 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, seed: int) -> dict
             break
         now = time.monotonic()
         step = trained(run)
-        if now >= due and step > last_step:
+        if again is None and step > last_step:
+            again = now
+        if now >= due and again is not None and now >= again + settle:
             kind = rng.choice(KINDS)
             pids = workers(launch.proc.pid)
             if len(pids) != 4:  # between attempts: the next fault waits for the next
@@ -170,7 +173,7 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, seed: int) -> dict
                 os.kill(pid, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "slow": signal.SIGUSR2,
                               "stall": signal.SIGUSR1}[kind])
             faults.append(dict(kind=kind, pid=None if kind == "term" else pid, at=now, step=step, late_s=now - due))
-            last_step, due = step, now + every
+            last_step, due, again = step, now + every, None
         time.sleep(0.05)
     return dict(wall_s=time.monotonic() - start, faults=faults, lines=lines, launches=len(launches), start=start)
 
@@ -222,6 +225,8 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=30.0, help="seconds between faults")
     parser.add_argument("--slow-s", type=int, default=60, help="how long a slowed worker stays slow")
     parser.add_argument("--steps", type=int, default=0, help="steps to train (0: from --minutes)")
+    parser.add_argument("--settle", type=float, default=5.0,
+                        help="seconds the run trains again after a fault before the next may come")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
@@ -240,7 +245,7 @@ def main() -> None:
             configs[name] = tmp / f"{name}.toml"
             configs[name].write_text(CONFIG.format(run=tmp / name, data=tmp, steps=steps, mtbf_hours=mtbf_hours))
         clean_s = fault_free(configs["clean"])
-        result = chaos(configs["chaos"], tmp / "chaos", args.every, args.slow_s, args.seed)
+        result = chaos(configs["chaos"], tmp / "chaos", args.every, args.slow_s, args.settle, args.seed)
         result["steps"] = steps
         expected, got = last_checkpoint(tmp / "clean"), last_checkpoint(tmp / "chaos")
         same = sorted(expected) == sorted(got) and all(torch.equal(got[k], v) for k, v in expected.items())
