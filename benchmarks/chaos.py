@@ -257,7 +257,8 @@ def main() -> None:
                    goodput=clean_s / result["wall_s"], faults={k: len(v) for k, v in per_kind.items()},
                    cost_s={k: statistics.median(v) if v else None for k, v in per_kind.items()},
                    launches=result["launches"], **counts, weights_equal=same, losses_equal=same_losses,
-                   cpus=os.cpu_count())
+                   cpus=os.cpu_count(), told=[line for _, line in result["lines"] if " died" in line
+                                              or line.startswith(("hung:", "restart "))])
     print(f"CosmoFlow dp=2 x spatial 2, {steps} steps on 4 local workers ({os.cpu_count()} cores); a fault every "
           f"{args.every:.0f} s\n")
     print("| run | wall s | faults | launches | restarts told | hangs found | goodput | weights, moments, losses "
