@@ -93,9 +93,15 @@ class Launch:
         self.reader.join()
         return code
 
+    def end(self) -> None:
+        """SIGKILL to the launcher, if it runs on (this script stopped): its workers die with it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.wait()
+
 
 def workers(launcher: int) -> list[int]:
-    """The pids of a local run's training workers (the fork server's descendants), oldest first."""
+    """The pids of a local run's training workers (the fork server's descendants)."""
     def children(pid: int) -> list[int]:
         try:
             return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
@@ -140,48 +146,53 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, settle: float, see
     flags = ("--max-restarts", "1000")
     start = time.monotonic()
     launch = Launch(config, *flags, env=env)
-    launches, faults, lines = [launch], [], []
+    launches, faults, lines = 1, [], []
     due, last_step, bag, again = start + every, 0, [], None  # again: when the run trained past the last fault
-    while True:
-        code = launch.proc.poll()
-        if code is not None:
-            launch.wait()
-            lines += launch.lines
-            if code == 143 and faults and faults[-1]["kind"] == "term":
-                faults[-1]["exited_s"] = time.monotonic() - faults[-1]["at"]
-                launch = Launch(config, "--resume", *flags, env=env)
-                launches.append(launch)
-                continue
-            if code != 0:
-                raise SystemExit("the chaos run failed:\n" + "\n".join(line for _, line in lines[-40:]))
-            break
-        now = time.monotonic()
-        step = trained(run)
-        if again is None and step > last_step:
-            again = now
-        if now >= due and again is not None and now >= again + settle:
-            kind = rng.choice(KINDS)
-            pids = workers(launch.proc.pid)
-            if len(pids) != 4:  # between attempts: the next fault waits for the next
-                time.sleep(0.1)
-                continue
-            bag = bag or rng.sample(KINDS, len(KINDS))
-            kind, pid = bag.pop(), rng.choice(pids)
-            if kind == "term":
-                os.kill(launch.proc.pid, signal.SIGTERM)
-            else:
-                os.kill(pid, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "slow": signal.SIGUSR2,
-                              "stall": signal.SIGUSR1}[kind])
-            faults.append(dict(kind=kind, pid=None if kind == "term" else pid, at=now, step=step, late_s=now - due))
-            last_step, due, again = step, now + every, None
-        time.sleep(0.05)
-    return dict(wall_s=time.monotonic() - start, faults=faults, lines=lines, launches=len(launches), start=start)
+    try:
+        while True:
+            code = launch.proc.poll()
+            if code is not None:
+                launch.wait()
+                lines += launch.lines
+                if code == 143 and faults and faults[-1]["kind"] == "term":
+                    launch = Launch(config, "--resume", *flags, env=env)
+                    launches += 1
+                    continue
+                if code != 0:
+                    raise SystemExit("the chaos run failed:\n" + "\n".join(line for _, line in lines[-40:]))
+                break
+            now = time.monotonic()
+            step = trained(run)
+            if again is None and step > last_step:
+                again = now
+            if now >= due and again is not None and now >= again + settle:
+                pids = workers(launch.proc.pid)
+                if len(pids) != 4:  # between attempts: the next fault waits for the next
+                    time.sleep(0.1)
+                    continue
+                bag = bag or rng.sample(KINDS, len(KINDS))
+                kind, pid = bag.pop(), rng.choice(pids)
+                if kind == "term":
+                    os.kill(launch.proc.pid, signal.SIGTERM)
+                else:
+                    os.kill(pid, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "slow": signal.SIGUSR2,
+                                  "stall": signal.SIGUSR1}[kind])
+                faults.append(dict(kind=kind, at=now, step=step))
+                last_step, due, again = step, now + every, None
+            time.sleep(0.05)
+    finally:  # this script stopped (Ctrl-C, a timeout): the run ends with it
+        launch.end()
+    return dict(wall_s=time.monotonic() - start, faults=faults, lines=lines, launches=launches, start=start)
 
 
 def fault_free(config: Path) -> float:
     start = time.monotonic()
     launch = Launch(config, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if launch.wait() != 0:
+    try:
+        code = launch.wait()
+    finally:
+        launch.end()
+    if code != 0:
         raise SystemExit("the uninterrupted run failed:\n" + "\n".join(line for _, line in launch.lines[-40:]))
     return time.monotonic() - start
 
@@ -230,6 +241,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ``timeout``: the runs end with this script
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
