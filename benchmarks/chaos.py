@@ -26,6 +26,7 @@ bit.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -37,6 +38,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests")]
+
+from support.processes import workers  # noqa: E402
 
 KINDS = ("kill", "stop", "slow", "stall", "term")
 STEP_S = 0.26  # a step of this config with 4 workers on 2 cores, about: sizes the run to --minutes
@@ -73,13 +78,27 @@ mtbf_hours = {mtbf_hours}
 """
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # found before any fork: the child only calls it
+_PR_SET_PDEATHSIG = 1
+
+
+def _dies_with(parent: int):
+    """For ``preexec_fn``: the child gets SIGKILL when ``parent`` (this script's main thread) ends, however it
+    ends (a test's timeout kills this script with SIGKILL: its launcher, and the launcher's workers, end too)."""
+    def arm() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent ended before the signal was armed
+            os._exit(1)
+    return arm
+
+
 class Launch:
     """One ``hybridpar train`` process: its output lines with their arrival times (``time.monotonic``)."""
 
     def __init__(self, config: Path, *flags: str, env: dict):
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridpar", "train", str(config), "--nproc", "4",
                                       *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_dies_with(os.getpid()))
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -98,28 +117,6 @@ class Launch:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.wait()
-
-
-def workers(launcher: int) -> list[int]:
-    """The pids of a local run's training workers (the fork server's descendants)."""
-    def children(pid: int) -> list[int]:
-        try:
-            return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (task / "children").read_text().split()]
-        except OSError:
-            return []
-
-    def descendants(pid: int) -> list[int]:
-        return [d for c in children(pid) for d in (c, *descendants(c))]
-
-    out = []
-    for server in children(launcher):
-        try:
-            if "forkserver" in Path(f"/proc/{server}/cmdline").read_text():
-                out += descendants(server)
-        except OSError:
-            continue
-    return sorted(out)
 
 
 def trained(run: Path) -> int:

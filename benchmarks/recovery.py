@@ -40,6 +40,10 @@ import threading
 import time
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests")]
+
+from support.processes import workers  # noqa: E402
+
 CONFIG = """run_dir = "{run}"
 seed = 0
 plan = "{plan}"
@@ -121,14 +125,6 @@ def hung_run(config: Path, hangs: int, seed: int) -> list[tuple[float, float]]:
         sys.exit("\n".join(line for _, line in lines))
     reader.join()
     return measured
-
-
-def workers(launcher: int) -> list[int]:
-    """The training workers of a local run: the children of its fork server."""
-    def children(pid: int) -> list[int]:
-        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    server = next(p for p in children(launcher) if "forkserver" in Path(f"/proc/{p}/cmdline").read_text())
-    return children(server)
 
 
 def kills(count: int, seed: int) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from hybridpar.train import checkpoint_dir, metrics
 from support.harness import limit
-from support.processes import alive, descendants, gone_within
+from support.processes import alive, children, descendants, gone_within, workers
 from test_train import COSMO, expect_error, final_weights, hybridpar, synth, write_config
 from test_train_gpt import config, last_checkpoint, losses, plan_file
 
@@ -256,13 +256,6 @@ def text_of(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def worker_pids(launcher: int) -> list[int]:
-    """The training workers of a local run: the fork server's children."""
-    server = [p for p in descendants(launcher) if "forkserver" in Path(f"/proc/{p}/cmdline").read_text()
-              and Path(f"/proc/{p}/status").read_text().split("PPid:")[1].split()[0] == str(launcher)]
-    return descendants(server[0])
-
-
 def test_a_stopped_worker_is_a_hang_the_run_recovers_from(tmp_path):
     """SIGSTOP to a worker: no error, no exit, every rank waits. Its peer's watchdog finds no progress within its
     limit (10 s here: the steps are short), names the rank that stopped beating, ends the attempt; the run
@@ -274,7 +267,7 @@ def test_a_stopped_worker_is_a_hang_the_run_recovers_from(tmp_path):
     hybridpar("train", reference, "--nproc", 2)
     proc = started(cfg, tmp_path / "out.txt", "--max-restarts", "1")
     try:
-        stopped = worker_pids(proc.pid)[-1]
+        stopped = workers(proc.pid)[-1]
         os.kill(stopped, signal.SIGSTOP)
         code = proc.wait(timeout=limit(200))
         assert code == 0, (tmp_path / "out.txt").read_text() + (tmp_path / "out.err").read_text()
@@ -352,10 +345,6 @@ def test_a_run_resumed_on_fewer_workers_replans_and_computes_the_same(tmp_path, 
     assert train_b == pytest.approx(train_a, rel=1e-10) and len(train_a) == 4
     for name, w in final_weights(full).items():
         torch.testing.assert_close(final_weights(part)[name], w, rtol=1e-10, atol=1e-12)
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
 
 @pytest.mark.timeout(600)

@@ -31,12 +31,43 @@ def gone_within(pids, seconds: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started, from each of its threads' ``children`` file in /proc. A thread or process
+    may end while it is read (a busy run starts and ends helper threads all the time): what has ended has no
+    children to tell of."""
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     """The processes below ``pid``: its children, theirs, and so on (from /proc)."""
     found, todo = [], [pid]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
-            new = [int(c) for c in (task / "children").read_text().split()]
-            found += new
-            todo += new
+        new = children(todo.pop())
+        found += new
+        todo += new
     return found
+
+
+def command_line(pid: int) -> str:
+    """The command line of ``pid``, its arguments joined by NUL; "" once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def workers(launcher: int) -> list[int]:
+    """The training workers of a local run, sorted: the descendants of the fork server that ``launcher`` (the
+    ``hybridpar train`` process) started."""
+    servers = [p for p in children(launcher) if "forkserver" in command_line(p)]
+    return sorted(d for server in servers for d in descendants(server))
