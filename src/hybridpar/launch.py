@@ -250,7 +250,10 @@ def launch_local(entrypoint, args: tuple, nproc: int, *, max_restarts: int = 0,
     return result.return_values
 
 
-def init_distributed(timeout_s: float = 300.0) -> None:
+PROCESS_GROUP_TIMEOUT_S = 300.0  # a collective or the store waits this long before it fails
+
+
+def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
     """Join the process group that ``torchrun`` or ``launch_local`` set up, with PyTorch's backend for the
     accelerator at hand (gloo on CPU, NCCL on CUDA GPUs).
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hybridpar.train import checkpoint_dir, metrics
-from support.harness import limit
+from support.harness import limit, load
 from support.processes import alive, children, descendants, gone_within, workers
 from test_train import COSMO, expect_error, final_weights, hybridpar, synth, write_config
 from test_train_gpt import config, last_checkpoint, losses, plan_file
@@ -148,6 +148,10 @@ def started(cfg: Path, out: Path, *flags) -> subprocess.Popen:
     deadline = time.monotonic() + limit(120)
     while (metrics_lines(cfg.parent / "run") < 3 and proc.poll() is None) and time.monotonic() < deadline:
         time.sleep(0.2)
+    if metrics_lines(cfg.parent / "run") < 3 and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run logged no 3 records within {limit(120):.0f} s: {load()}")
     return proc
 
 
@@ -279,6 +283,8 @@ def test_a_stopped_worker_is_a_hang_the_run_recovers_from(tmp_path):
                       r"off\); (?:last checkpoint: step \d+|no checkpoint yet); restarting \(1 of 1\)", out)
     assert found and found.group(2) != found.group(3), out
     assert not alive(stopped)
+    known = json.loads((tmp_path / "run" / "phase_times.json").read_text())  # the restart's first phases' limits
+    assert known["plan"].endswith("on 2 ranks") and {"step", "batch", "checkpoint"} <= set(known["seconds"]), known
     assert losses(tmp_path / "run")[-1] == losses(tmp_path / "reference")[-1]
     expected, got = last_checkpoint(tmp_path / "reference"), last_checkpoint(tmp_path / "run")
     for key, tensor in expected.items():

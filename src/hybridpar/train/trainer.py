@@ -282,14 +282,16 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
     if dist.get_rank() == 0:
         logger.warning(f"re-planned at step {done}: {replan.told} ({replan.reason})")
     out.log.log({"step": done, "split": "replan", "plan": replan.told, "reason": replan.reason})
+    if out.watchdog is not None:  # what the next processes find under this plan
+        out.watchdog.known = watchdog.known(run.config, replan.plan.describe(), carried=True)
     return new
 
 
 @contextlib.contextmanager
-def _watched(config: Config, out: _Loop):
-    """The loop under this rank's watchdog (``watchdog.for_this_rank``), from its first batch's reading on; a
-    checkpoint still in flight when the loop fails is let finish (its own failure then told in the log only)."""
-    out.watchdog = watchdog.for_this_rank(config)
+def _watched(config: Config, plan: str, carried: bool, out: _Loop):
+    """The loop under this rank's watchdog (``watchdog.for_this_rank``: ``plan`` described, ``carried`` where the
+    run goes on from an earlier process), from its first batch's reading on; a checkpoint still in flight when the loop fails is let finish (its own failure then told in the log only)."""
+    out.watchdog = watchdog.for_this_rank(config, plan, carried)
     if out.watchdog is not None:
         out.phase("batch", 0)
     try:
@@ -391,7 +393,7 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     out = _Loop(log, MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=False,
                                 resume_step=resume_step, name="pace.jsonl"), shown, summary,
                 balance.Balancer(config.train.rebalance), checkpoint_dir.Saver())
-    with shown, recovery.Stopping() as stopping, _watched(config, out):
+    with shown, recovery.Stopping() as stopping, _watched(config, run.plan.describe(), resuming, out):
         step = start
         while step < stop:
             step, signal, replan = _train_until(run, step, stop, stopping, out)

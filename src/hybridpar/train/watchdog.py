@@ -5,9 +5,12 @@ a run started by an elastic agent (``hybridpar train``'s, or ``torchrun``'s) run
 - a **heartbeat**: every ``BEAT_S`` it adds 1 to its counter in the run's store, whatever its training thread
   does (a rank waiting in a collective beats; a stopped one does not);
 - a **deadline** per phase of the training loop (a step, a checkpoint, a validation, a batch's reading): one knob,
-  ``train.hang_factor``, times the slowest of the phase's last ``MEASURED`` runs, never under ``FLOOR_S``; a
-  phase not measured yet, the same times what it is expected to take (a checkpoint: its bytes at an assumed
-  rate), or the process group's timeout where nothing is expected (``FIRST_S``: compiling, first allocations).
+  ``train.hang_factor``, times the slowest of the phase's last ``MEASURED`` runs, never under ``FLOOR_S``. A
+  phase not measured yet in this process: the same times the slowest it took in this run's earlier processes
+  under the same plan (``Known``: a restart, a ``--resume``), else what it is expected to take (a checkpoint:
+  its bytes at an assumed rate), else ``FIRST_S``, just under the process group's timeout (the run's first
+  step: compiling, first allocations). Without what earlier processes measured, a rank stopped in the first
+  validation after a restart was found only after 300 s.
 
 Each beat also reads its peers' counters, so that a phase past its deadline is a hang told at once: the ranks
 whose counter has not moved for ``SILENT_S`` stopped beating (else every rank is alive and a collective or its link
@@ -19,32 +22,75 @@ restarts the run from its newest checkpoint (``--max-restarts``), or stops it, a
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
-from hybridpar.launch import hang_key
+from hybridpar.launch import PROCESS_GROUP_TIMEOUT_S, hang_key
 
 FLOOR_S = 10.0  # no phase is a hang sooner: a loaded machine stalls a process for seconds
-FIRST_S = 300.0  # a phase not measured yet: the process group's timeout (launch.init_distributed)
+FIRST_S = 0.9 * PROCESS_GROUP_TIMEOUT_S  # nothing known of a phase: found before a collective's own timeout
 BEAT_S = 1.0
 SILENT_S = 2.5  # a peer whose counter has not moved for this long stopped beating
 MEASURED = 20  # a phase's deadline follows its slowest of this many last runs
 STORE_TIMEOUT_S = 5.0
+PHASE_TIMES = "phase_times.json"  # in the run's folder: ``Known``
+
+
+class Known:
+    """The slowest time each phase took in a run's processes so far, kept in ``path`` (JSON) for the processes
+    after them under the same ``plan`` (a description with the world size: another plan's times say nothing).
+    ``carried``: whether this process goes on with the run of the file (a restart, a ``--resume``; a fresh run's
+    folder may hold a file of a run moved away). ``writes``: whether this process keeps the file (one rank
+    does); ``record`` is cheap (the training thread calls it), ``flush`` writes what changed (the watchdog's
+    thread calls it)."""
+
+    def __init__(self, path: Path, plan: str, *, carried: bool, writes: bool):
+        self.path, self.plan, self.writes = path, plan, writes
+        self.seconds: dict[str, float] = {}
+        self._changed = False
+        if not carried:
+            return
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("plan") == plan:
+                self.seconds = {str(k): float(v) for k, v in saved["seconds"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # none yet, or unreadable: nothing known (the limits fall back, none is tighter)
+
+    def record(self, kind: str, seconds: float) -> None:
+        if self.writes and seconds > self.seconds.get(kind, 0.0):
+            self.seconds = {**self.seconds, kind: seconds}
+            self._changed = True
+
+    def flush(self) -> None:
+        if not self._changed:
+            return
+        self._changed = False
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        try:
+            temporary.write_text(json.dumps({"plan": self.plan, "seconds": self.seconds}) + "\n")
+            os.replace(temporary, self.path)
+        except OSError:
+            pass  # a full disk: the next processes' first phases get the longer limits, nothing else changes
 
 
 class Watchdog:
     """The watchdog of this rank (``rank`` of ``world_size``) in restart attempt ``attempt``; ``factor``: the
     ``train.hang_factor``. ``phase(kind, step)`` starts a phase (ending the one before), ``idle()`` ends the last.
-    ``store``: a client of the run's store of its own (the thread uses it while the training thread waits)."""
+    ``store``: a client of the run's store of its own (the thread uses it while the training thread waits);
+    ``known``: what earlier processes of the run measured."""
 
-    def __init__(self, factor: float, store, rank: int, world_size: int, attempt: int):
+    def __init__(self, factor: float, store, rank: int, world_size: int, attempt: int, known: Known | None = None):
         self.factor, self.store, self.rank, self.world_size = factor, store, rank, world_size
         self.prefix = f"hybridpar/attempt_{attempt}"
         self.attempt = attempt
+        self.known = known
         self._times: dict[str, collections.deque] = {}
         self._lock = threading.Lock()
         self._current: tuple[str, int, float, float] | None = None  # kind, step, began, deadline
@@ -57,9 +103,12 @@ class Watchdog:
         """Seconds a phase of ``kind`` may take before it is a hang (``expected``: its seconds, before any run of
         it was measured)."""
         times = self._times.get(kind)
-        if not times and expected is None:
+        if times:
+            return max(FLOOR_S, self.factor * max(times))
+        before = self.known.seconds.get(kind) if self.known is not None else None
+        if before is None and expected is None:
             return FIRST_S
-        return max(FLOOR_S, self.factor * (max(times) if times else expected))
+        return max(FLOOR_S, self.factor * (before if before is not None else expected))
 
     def phase(self, kind: str, step: int, expected: float | None = None) -> None:
         now = time.monotonic()
@@ -81,6 +130,8 @@ class Watchdog:
         if self._current is not None:
             kind, _, began, _ = self._current
             self._times.setdefault(kind, collections.deque(maxlen=MEASURED)).append(now - began)
+            if self.known is not None:
+                self.known.record(kind, now - began)
 
     def _beat(self) -> None:
         """Add 1 to this rank's counter; read its peers'."""
@@ -102,6 +153,8 @@ class Watchdog:
             if now - beat >= BEAT_S:
                 beat = now
                 self._beat()
+                if self.known is not None:
+                    self.known.flush()
             with self._lock:
                 current = self._current
             if current is not None and now > current[3]:
@@ -132,9 +185,19 @@ class Watchdog:
         return "every rank beats: a collective or its link stalled"
 
 
-def for_this_rank(config):
+def known(config, plan: str, carried: bool) -> Known:
+    """What this run's earlier processes measured under ``plan`` (its description), in the run's folder, rank 0
+    keeping it; ``carried``: the run goes on from an earlier process's (``Known``)."""
+    import torch.distributed as dist
+
+    return Known(Path(config.run_dir) / PHASE_TIMES, f"{plan} on {dist.get_world_size()} ranks", carried=carried,
+                 writes=dist.get_rank() == 0)
+
+
+def for_this_rank(config, plan: str, carried: bool):
     """The watchdog of a rank started by an elastic agent (``None`` elsewhere, or with ``train.hang_factor = 0``):
-    its store client connects where the process group's did."""
+    its store client connects where the process group's did; it reads what earlier processes measured
+    (``known``)."""
     if not config.train.hang_factor or "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     import torch.distributed as dist
@@ -142,4 +205,4 @@ def for_this_rank(config):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=STORE_TIMEOUT_S))
     return Watchdog(config.train.hang_factor, store, dist.get_rank(), dist.get_world_size(),
-                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), known(config, plan, carried))
