@@ -144,7 +144,11 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, settle: float, see
     start = time.monotonic()
     launch = Launch(config, *flags, env=env)
     launches, faults, lines = 1, [], []
-    due, last_step, bag, again = start + every, 0, [], None  # again: when the run trained past the last fault
+    # again: when the run first logged a step after the last fault; moved: when it last logged one. A step logged
+    # just after a fault may be the failing attempt's last, and a relaunch's metrics.jsonl shows the steps before
+    # it until its set-up ends: a fault waits for steps logged since `again + settle` (the run trains now), or it
+    # would land in a restart's set-up
+    due, seen, bag, again, moved = start + every, 0, [], None, None
     try:
         while True:
             code = launch.proc.poll()
@@ -160,9 +164,10 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, settle: float, see
                 break
             now = time.monotonic()
             step = trained(run)
-            if again is None and step > last_step:
-                again = now
-            if now >= due and again is not None and now >= again + settle:
+            if step > seen:
+                moved, again = now, again or now
+            seen = step
+            if now >= due and again is not None and now >= again + settle and moved > again + settle:
                 pids = workers(launch.proc.pid)
                 if len(pids) != 4:  # between attempts: the next fault waits for the next
                     time.sleep(0.1)
@@ -175,7 +180,7 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, settle: float, see
                     os.kill(pid, {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "slow": signal.SIGUSR2,
                                   "stall": signal.SIGUSR1}[kind])
                 faults.append(dict(kind=kind, at=now, step=step))
-                last_step, due, again = step, now + every, None
+                due, again = now + every, None
             time.sleep(0.05)
     finally:  # this script stopped (Ctrl-C, a timeout): the run ends with it
         launch.end()

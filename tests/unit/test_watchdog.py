@@ -1,6 +1,7 @@
 """The watchdog's heartbeats: each beat reads the peers' counters, so that a hang names the ranks that stopped
 beating at once, without a reading of its own after the deadline."""
 
+import math
 import threading
 import time
 
@@ -74,31 +75,35 @@ def test_a_store_that_does_not_answer_is_told():
 
 def test_a_phase_first_in_this_process_gets_the_limit_earlier_processes_measured(tmp_path):
     """A restart's (or a --resume's) first validation was given the process group's timeout: a rank stopped in it
-    was found after 300 s. What the run's earlier processes measured under the same plan is its limit now."""
+    was found after 300 s. What the run's earlier processes measured on as many ranks is its limit now; a
+    restart's set-up has one, the run's first has none."""
     path = tmp_path / "phase_times.json"
-    first = Known(path, "dp=2 on 2 ranks", carried=False, writes=True)
+    first = Known(path, "2 ranks", carried=False, writes=True)
     first.record("validation", 1.5)
     first.record("validation", 1.2)  # the slowest is kept
     first.record("step", 0.3)
+    first.record("set-up", 4.0)
     first.flush()
     again = Watchdog(10.0, Store(), rank=1, world_size=2, attempt=1,
-                     known=Known(path, "dp=2 on 2 ranks", carried=True, writes=False))
+                     known=Known(path, "2 ranks", carried=True, writes=False))
     try:
         assert again.limit("validation") == pytest.approx(15.0)
         assert again.limit("step") == FLOOR_S  # 3 s: never under the floor
         assert again.limit("checkpoint", expected=2.0) == pytest.approx(20.0)  # nothing measured: as expected
         assert again.limit("re-plan") == FIRST_S
+        assert again.limit("set-up") == pytest.approx(40.0)
         again.phase("validation", 4)
         time.sleep(0.05)
         again.idle()
         assert again.limit("validation") == FLOOR_S  # this process's own measure first
     finally:
         again.close()
-    for other in (Known(path, "dp=2 on 4 ranks", carried=True, writes=False),  # another plan: says nothing
-                  Known(path, "dp=2 on 2 ranks", carried=False, writes=True)):  # a fresh run in the same folder
+    for other in (Known(path, "4 ranks", carried=True, writes=False),  # on other ranks: says nothing
+                  Known(path, "2 ranks", carried=False, writes=True)):  # a fresh run in the same folder
         dog = Watchdog(10.0, Store(), rank=0, world_size=2, attempt=0, known=other)
         try:
             assert dog.limit("validation") == FIRST_S
+            assert dog.limit("set-up") == math.inf
         finally:
             dog.close()
 
@@ -111,5 +116,5 @@ def test_only_the_keeping_rank_writes_and_an_unreadable_file_is_nothing_known(tm
     assert not path.exists()
     path.write_text("{not json")
     assert Known(path, "p", carried=True, writes=True).seconds == {}
-    path.write_text('{"plan": "p", "seconds": [1, 2]}')
+    path.write_text('{"key": "p", "seconds": [1, 2]}')
     assert Known(path, "p", carried=True, writes=True).seconds == {}

@@ -282,18 +282,15 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
     if dist.get_rank() == 0:
         logger.warning(f"re-planned at step {done}: {replan.told} ({replan.reason})")
     out.log.log({"step": done, "split": "replan", "plan": replan.told, "reason": replan.reason})
-    if out.watchdog is not None:  # what the next processes find under this plan
-        out.watchdog.known = watchdog.known(run.config, replan.plan.describe(), carried=True)
     return new
 
 
 @contextlib.contextmanager
-def _watched(config: Config, plan: str, carried: bool, out: _Loop):
-    """The loop under this rank's watchdog (``watchdog.for_this_rank``: ``plan`` described, ``carried`` where the
-    run goes on from an earlier process), from its first batch's reading on; a checkpoint still in flight when the loop fails is let finish (its own failure then told in the log only)."""
-    out.watchdog = watchdog.for_this_rank(config, plan, carried)
-    if out.watchdog is not None:
-        out.phase("batch", 0)
+def _watched(start: int, out: _Loop):
+    """The loop, from its first batch's reading (after step ``start``) on, under this rank's watchdog if it has
+    one; a checkpoint still in flight when the loop fails is let finish (its own failure then told in the log
+    only)."""
+    out.phase("batch", start)
     try:
         yield
     except BaseException:
@@ -303,9 +300,6 @@ def _watched(config: Config, plan: str, carried: bool, out: _Loop):
             except HybridparError as err:
                 logger.warning(str(err))
         raise
-    finally:
-        if out.watchdog is not None:
-            out.watchdog.close()
 
 
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
@@ -363,6 +357,20 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     faults.planned()
     restarted = recovery.attempt() > 0
     resume_from = prepare_run_dir(config, resume, restarted)
+    resuming = resume_from is not None or restarted
+    dog = watchdog.for_this_rank(config, carried=resuming)  # a restart's set-up is watched too
+    try:
+        return _train(config, resume_from, restarted, dog, stop_after, progress)
+    finally:
+        if dog is not None:
+            dog.close()
+
+
+def _train(config: Config, resume_from: Path | None, restarted: bool, dog: watchdog.Watchdog | None,
+           stop_after: int | None, progress) -> dict:
+    """``train``'s work, from the set-up on (under ``dog``, this rank's watchdog, if any)."""
+    if dog is not None:
+        dog.phase(watchdog.SET_UP, 0)
     task = task_for(config)
     resuming = resume_from is not None or restarted
     plan = task.check(dist.get_world_size(), rescale=resuming)
@@ -392,8 +400,8 @@ def train(config: Config, *, resume: bool = False, stop_after: int | None = None
     shown = progress(config, start, stop) if progress is not None and is_root else _Quiet()
     out = _Loop(log, MetricsLog(run_dir, jsonl=config.metrics.jsonl and is_root, tensorboard=False,
                                 resume_step=resume_step, name="pace.jsonl"), shown, summary,
-                balance.Balancer(config.train.rebalance), checkpoint_dir.Saver())
-    with shown, recovery.Stopping() as stopping, _watched(config, run.plan.describe(), resuming, out):
+                balance.Balancer(config.train.rebalance), checkpoint_dir.Saver(), dog)
+    with shown, recovery.Stopping() as stopping, _watched(start, out):
         step = start
         while step < stop:
             step, signal, replan = _train_until(run, step, stop, stopping, out)

@@ -7,10 +7,12 @@ a run started by an elastic agent (``hybridpar train``'s, or ``torchrun``'s) run
 - a **deadline** per phase of the training loop (a step, a checkpoint, a validation, a batch's reading): one knob,
   ``train.hang_factor``, times the slowest of the phase's last ``MEASURED`` runs, never under ``FLOOR_S``. A
   phase not measured yet in this process: the same times the slowest it took in this run's earlier processes
-  under the same plan (``Known``: a restart, a ``--resume``), else what it is expected to take (a checkpoint:
+  on as many ranks (``Known``: a restart, a ``--resume``), else what it is expected to take (a checkpoint:
   its bytes at an assumed rate), else ``FIRST_S``, just under the process group's timeout (the run's first
   step: compiling, first allocations). Without what earlier processes measured, a rank stopped in the first
-  validation after a restart was found only after 300 s.
+  validation after a restart was found only after 300 s. A restart's set-up (the model built and analysed,
+  the checkpoint read) is a phase too; the run's first set-up has no deadline (a large model's analysis
+  takes minutes, on every rank at once).
 
 Each beat also reads its peers' counters, so that a phase past its deadline is a hang told at once: the ranks
 whose counter has not moved for ``SILENT_S`` stopped beating (else every rank is alive and a collective or its link
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import signal
 import sys
@@ -40,26 +43,28 @@ SILENT_S = 2.5  # a peer whose counter has not moved for this long stopped beati
 MEASURED = 20  # a phase's deadline follows its slowest of this many last runs
 STORE_TIMEOUT_S = 5.0
 PHASE_TIMES = "phase_times.json"  # in the run's folder: ``Known``
+SET_UP = "set-up"  # the phase from a process's start to its first batch: the model, the plan, the checkpoint
 
 
 class Known:
     """The slowest time each phase took in a run's processes so far, kept in ``path`` (JSON) for the processes
-    after them under the same ``plan`` (a description with the world size: another plan's times say nothing).
+    after them with the same ``key`` (the world size: the times of a run on other ranks say nothing).
     ``carried``: whether this process goes on with the run of the file (a restart, a ``--resume``; a fresh run's
     folder may hold a file of a run moved away). ``writes``: whether this process keeps the file (one rank
     does); ``record`` is cheap (the training thread calls it), ``flush`` writes what changed (the watchdog's
     thread calls it)."""
 
-    def __init__(self, path: Path, plan: str, *, carried: bool, writes: bool):
-        self.path, self.plan, self.writes = path, plan, writes
+    def __init__(self, path: Path, key: str, *, carried: bool, writes: bool):
+        self.path, self.key, self.writes = path, key, writes
         self.seconds: dict[str, float] = {}
         self._changed = False
         if not carried:
             return
         try:
             saved = json.loads(path.read_text())
-            if saved.get("plan") == plan:
-                self.seconds = {str(k): float(v) for k, v in saved["seconds"].items()}
+            if saved.get("key") == key:
+                self.seconds = {str(k): float(v) for k, v in saved["seconds"].items()
+                                if math.isfinite(float(v)) and float(v) >= 0}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # none yet, or unreadable: nothing known (the limits fall back, none is tighter)
 
@@ -71,13 +76,13 @@ class Known:
     def flush(self) -> None:
         if not self._changed:
             return
-        self._changed = False
+        seconds, self._changed = self.seconds, False  # a time recorded meanwhile is written at the next beat
         temporary = self.path.with_name(self.path.name + ".tmp")
         try:
-            temporary.write_text(json.dumps({"plan": self.plan, "seconds": self.seconds}) + "\n")
+            temporary.write_text(json.dumps({"key": self.key, "seconds": seconds}) + "\n")
             os.replace(temporary, self.path)
-        except OSError:
-            pass  # a full disk: the next processes' first phases get the longer limits, nothing else changes
+        except OSError:  # no folder yet (a fresh run's), a full disk: tried again at the next beat (meanwhile the
+            self._changed = True  # next processes' first phases would get the longer limits, nothing else changes)
 
 
 class Watchdog:
@@ -107,7 +112,7 @@ class Watchdog:
             return max(FLOOR_S, self.factor * max(times))
         before = self.known.seconds.get(kind) if self.known is not None else None
         if before is None and expected is None:
-            return FIRST_S
+            return math.inf if kind == SET_UP else FIRST_S
         return max(FLOOR_S, self.factor * (before if before is not None else expected))
 
     def phase(self, kind: str, step: int, expected: float | None = None) -> None:
@@ -161,7 +166,8 @@ class Watchdog:
                 self._hung(*current, now)
 
     def _hung(self, kind: str, step: int, began: float, deadline: float, now: float) -> None:
-        what = f"step {step}" if kind == "step" else f"the {kind} after step {step}"
+        what = {"step": f"step {step}", SET_UP: "the set-up (the model, its plan, the checkpoint)"}.get(
+            kind, f"the {kind} after step {step}")
         told = (f"no progress in {what} for {now - began:.1f} s on rank {self.rank} (its limit {deadline - began:.1f} "
                 f"s: train.hang_factor = {self.factor:g}); {self._stopped()}")
         try:
@@ -185,24 +191,17 @@ class Watchdog:
         return "every rank beats: a collective or its link stalled"
 
 
-def known(config, plan: str, carried: bool) -> Known:
-    """What this run's earlier processes measured under ``plan`` (its description), in the run's folder, rank 0
-    keeping it; ``carried``: the run goes on from an earlier process's (``Known``)."""
-    import torch.distributed as dist
-
-    return Known(Path(config.run_dir) / PHASE_TIMES, f"{plan} on {dist.get_world_size()} ranks", carried=carried,
-                 writes=dist.get_rank() == 0)
-
-
-def for_this_rank(config, plan: str, carried: bool):
+def for_this_rank(config, carried: bool):
     """The watchdog of a rank started by an elastic agent (``None`` elsewhere, or with ``train.hang_factor = 0``):
-    its store client connects where the process group's did; it reads what earlier processes measured
-    (``known``)."""
+    its store client connects where the process group's did; it knows what the run's earlier processes on as many
+    ranks measured (``carried``: the run goes on from them; the file is in the run's folder, rank 0 keeps it)."""
     if not config.train.hang_factor or "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     import torch.distributed as dist
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    known = Known(Path(config.run_dir) / PHASE_TIMES, f"{dist.get_world_size()} ranks", carried=carried,
+                  writes=dist.get_rank() == 0)
     return Watchdog(config.train.hang_factor, store, dist.get_rank(), dist.get_world_size(),
-                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), known(config, plan, carried))
+                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), known)
