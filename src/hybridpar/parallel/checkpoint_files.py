@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,7 +102,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     process alone, its metadata read as ``read_metadata`` reads it."""
     items = read_metadata(Path(path)).state_dict_metadata.items()
     state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in items}
-    dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
+    with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
     return state
 
 
