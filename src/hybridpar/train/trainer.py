@@ -288,8 +288,8 @@ def _replanned(run: Run, done: int, replan: balance.Replan, out: _Loop) -> Run:
 @contextlib.contextmanager
 def _watched(start: int, out: _Loop):
     """The loop, from its first batch's reading (after step ``start``) on, under this rank's watchdog if it has
-    one; a checkpoint still in flight when the loop fails is let finish (its own failure then told in the log
-    only)."""
+    one (no phase of it after the loop); a checkpoint still in flight when the loop fails is let finish (its own
+    failure then told in the log only)."""
     out.phase("batch", start)
     try:
         yield
@@ -300,6 +300,9 @@ def _watched(start: int, out: _Loop):
             except HybridparError as err:
                 logger.warning(str(err))
         raise
+    finally:
+        if out.watchdog is not None:
+            out.watchdog.idle()
 
 
 def finished_at(total_steps: int, resume_from: Path | None) -> int | None:
