@@ -118,3 +118,14 @@ def test_only_the_keeping_rank_writes_and_an_unreadable_file_is_nothing_known(tm
     assert Known(path, "p", carried=True, writes=True).seconds == {}
     path.write_text('{"key": "p", "seconds": [1, 2]}')
     assert Known(path, "p", carried=True, writes=True).seconds == {}
+
+
+def test_a_phase_that_failed_is_not_a_measure(tmp_path):
+    """A set-up that raised (the watchdog closed while it ran) leaves no time behind: nothing in the run's folder
+    of a run that failed before it trained."""
+    known = Known(tmp_path / "phase_times.json", "2 ranks", carried=False, writes=True)
+    dog = Watchdog(10.0, Store(), rank=0, world_size=2, attempt=0, known=known)
+    dog.phase("set-up", 0)
+    time.sleep(0.05)
+    dog.close()
+    assert known.seconds == {} and not (tmp_path / "phase_times.json").exists()

@@ -127,7 +127,9 @@ class Watchdog:
             self._current = None
 
     def close(self) -> None:
-        self.idle()
+        """The watchdog ends; a phase still running is not a measure of it (the set-up or step that failed)."""
+        with self._lock:
+            self._current = None
         self._stop.set()
         self._thread.join()
 
