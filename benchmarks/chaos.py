@@ -167,7 +167,7 @@ def chaos(config: Path, run: Path, every: float, slow_s: int, settle: float, see
             if step > seen:
                 moved, again = now, again or now
             seen = step
-            if now >= due and again is not None and now >= again + settle and moved > again + settle:
+            if now >= due and again is not None and moved > again + settle:
                 pids = workers(launch.proc.pid)
                 if len(pids) != 4:  # between attempts: the next fault waits for the next
                     time.sleep(0.1)

@@ -157,7 +157,7 @@ class _Loop:
     saver: checkpoint_dir.Saver
     watchdog: watchdog.Watchdog | None = None
 
-    def phase(self, kind: str, step: int, expected: float | None = None) -> None:
+    def phase(self, kind: str, step: int | None, expected: float | None = None) -> None:
         """A phase of the loop begins (``watchdog.Watchdog``: past its deadline it is a hang)."""
         if self.watchdog is not None:
             self.watchdog.phase(kind, step, expected)
@@ -373,7 +373,7 @@ def _train(config: Config, resume_from: Path | None, restarted: bool, dog: watch
            stop_after: int | None, progress) -> dict:
     """``train``'s work, from the set-up on (under ``dog``, this rank's watchdog, if any)."""
     if dog is not None:
-        dog.phase(watchdog.SET_UP, 0)
+        dog.phase(watchdog.SET_UP, None)
     task = task_for(config)
     resuming = resume_from is not None or restarted
     plan = task.check(dist.get_world_size(), rescale=resuming)
@@ -384,7 +384,11 @@ def _train(config: Config, resume_from: Path | None, restarted: bool, dog: watch
         return {"start_step": done, "steps": done, "total_steps": task.total_steps, "finished": True}
     dist.barrier()  # every rank has looked at run_dir before rank 0 writes to it
     run = setup(config, task, plan)
-    start = checkpoint_dir.resume(resume_from.parent, run.parallel, run.optimizer) if resume_from else 0
+    start = 0
+    if resume_from:
+        if dog is not None:  # read twice (its manifest's hashes, then its tensors), each first priced as a save
+            dog.phase("checkpoint read", None, 2 * run.cadence.save_time)
+        start = checkpoint_dir.resume(resume_from.parent, run.parallel, run.optimizer)
     stop = min(run.total_steps, stop_after or run.total_steps)
     is_root = dist.get_rank() == 0
     run_dir = Path(config.run_dir)

@@ -10,9 +10,9 @@ a run started by an elastic agent (``hybridpar train``'s, or ``torchrun``'s) run
   on as many ranks (``Known``: a restart, a ``--resume``), else what it is expected to take (a checkpoint:
   its bytes at an assumed rate), else ``FIRST_S``, just under the process group's timeout (the run's first
   step: compiling, first allocations). Without what earlier processes measured, a rank stopped in the first
-  validation after a restart was found only after 300 s. A restart's set-up (the model built and analysed,
-  the checkpoint read) is a phase too; the run's first set-up has no deadline (a large model's analysis
-  takes minutes, on every rank at once).
+  validation after a restart was found only after 300 s. A restart's set-up (the model built and analysed)
+  and its checkpoint's reading are phases too; the run's first set-up has no deadline (a large model's
+  analysis takes minutes, on every rank at once).
 
 Each beat also reads its peers' counters, so that a phase past its deadline is a hang told at once: the ranks
 whose counter has not moved for ``SILENT_S`` stopped beating (else every rank is alive and a collective or its link
@@ -43,7 +43,7 @@ SILENT_S = 2.5  # a peer whose counter has not moved for this long stopped beati
 MEASURED = 20  # a phase's deadline follows its slowest of this many last runs
 STORE_TIMEOUT_S = 5.0
 PHASE_TIMES = "phase_times.json"  # in the run's folder: ``Known``
-SET_UP = "set-up"  # the phase from a process's start to its first batch: the model, the plan, the checkpoint
+SET_UP = "set-up"  # from a process's start to its checkpoint's reading (or first batch): the model, its plan
 
 
 class Known:
@@ -98,7 +98,7 @@ class Watchdog:
         self.known = known
         self._times: dict[str, collections.deque] = {}
         self._lock = threading.Lock()
-        self._current: tuple[str, int, float, float] | None = None  # kind, step, began, deadline
+        self._current: tuple[str, int | None, float, float] | None = None  # kind, step, began, deadline
         self._stop = threading.Event()
         self._heard: dict[int, tuple[int, float]] = {}  # a peer's counter, and when this rank saw it move
         self._thread = threading.Thread(target=self._watch, name="hybridpar-watchdog", daemon=True)
@@ -115,7 +115,8 @@ class Watchdog:
             return math.inf if kind == SET_UP else FIRST_S
         return max(FLOOR_S, self.factor * (before if before is not None else expected))
 
-    def phase(self, kind: str, step: int, expected: float | None = None) -> None:
+    def phase(self, kind: str, step: int | None, expected: float | None = None) -> None:
+        """A phase of ``kind`` begins, after step ``step`` (``None``: before training, as the set-up)."""
         now = time.monotonic()
         with self._lock:
             self._end(now)
@@ -167,9 +168,9 @@ class Watchdog:
             if current is not None and now > current[3]:
                 self._hung(*current, now)
 
-    def _hung(self, kind: str, step: int, began: float, deadline: float, now: float) -> None:
-        what = {"step": f"step {step}", SET_UP: "the set-up (the model, its plan, the checkpoint)"}.get(
-            kind, f"the {kind} after step {step}")
+    def _hung(self, kind: str, step: int | None, began: float, deadline: float, now: float) -> None:
+        what = f"step {step}" if kind == "step" else f"the {kind}" + (f" after step {step}" if step is not None
+                                                                       else "")
         told = (f"no progress in {what} for {now - began:.1f} s on rank {self.rank} (its limit {deadline - began:.1f} "
                 f"s: train.hang_factor = {self.factor:g}); {self._stopped()}")
         try:
